@@ -1,0 +1,160 @@
+"""``lockstep`` command line: ``recipes``, ``train`` (recipe + transforms + overrides + field flags).
+
+``lockstep train --recipe NAME [--transform T ...] [--override PATTERN=KIND,...] [--a.b.c VALUE ...]``
+resolves the config in that order (recipe, transforms, field flags, overrides), validates it before
+any work, and runs the trainer. ``--print-config`` prints the resolved tree and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from lockstep.config.base import ConfigError, to_dict
+
+
+def _train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lockstep train",
+        description="Train a model from a named recipe. Any config field can be set with --a.b.c VALUE "
+        "(see --help-fields).",
+        add_help=False,
+    )
+    parser.add_argument("--recipe", default="shakespeare", help="recipe name (see `lockstep recipes`)")
+    parser.add_argument("--transform", action="append", default=[], metavar="NAME[=ARG]",
+                        help="model-config transform, applied in order (see `lockstep recipes`)")
+    parser.add_argument("--override", action="append", default=[], metavar="PATTERN=KIND[,f=v...]",
+                        help="replace the config of modules matching a glob, e.g. "
+                        "'layers.*.attention=attention,backend=reference'")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--help-fields", action="store_true", help="list every config field flag and exit")
+    parser.add_argument("-h", "--help", action="store_true")
+    return parser
+
+
+def resolve_config(argv: list[str]):
+    """The TrainerConfig that ``lockstep train argv`` would run, and the parsed meta-flags."""
+    import tyro
+
+    from lockstep.config.components import parse_override
+    from lockstep.recipes import get_recipe
+    from lockstep.recipes.transforms import apply_transform
+    from lockstep.train.config import TrainerConfig
+
+    args, rest = _train_parser().parse_known_args(argv)
+    config = get_recipe(args.recipe).config()
+    for spec in args.transform:
+        config = apply_transform(config, spec)
+    overrides = config.model.overrides
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, overrides=[]))
+    field_args = rest + (["--help"] if args.help_fields else [])
+    if field_args:
+        unknown = _unknown_flags(field_args)
+        if unknown:
+            raise ConfigError(f"unknown flag(s) {unknown}; see `lockstep train --help-fields`")
+        config = tyro.cli(TrainerConfig, default=config, args=field_args, prog="lockstep train")
+    model = config.model
+    parsed = [parse_override(spec, bases=[model.attention, model.feed_forward, model.norm])
+              for spec in args.override]
+    config = dataclasses.replace(config, model=dataclasses.replace(model, overrides=[*overrides, *parsed]))
+    config.validate()
+    return config, args
+
+
+def _unknown_flags(args: list[str]) -> list[str]:
+    """Flags that name no TrainerConfig field (tyro's own message is long; ours names them)."""
+    from lockstep.train.config import TrainerConfig
+
+    known = set(_field_flags(TrainerConfig, "")) | {"--help", "-h"}
+    flags = [a.split("=", 1)[0] for a in args if a.startswith("-") and not _is_number(a)]
+    return [f for f in flags if f.replace("_", "-") not in known]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _field_flags(cls: type, prefix: str) -> list[str]:
+    import typing
+
+    flags = []
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        name = f"{prefix}{field.name}".replace("_", "-")
+        hint = hints[field.name]
+        if dataclasses.is_dataclass(hint):
+            flags += _field_flags(hint, f"{prefix}{field.name}.")
+            for sub in _subclass_fields(hint):
+                flags += _field_flags(sub, f"{prefix}{field.name}.")
+        else:
+            flags += [f"--{name}", f"--no-{name}"] if hint is bool else [f"--{name}"]
+    return flags
+
+
+def _subclass_fields(cls: type) -> list[type]:
+    return [s for s in cls.__subclasses__() if dataclasses.is_dataclass(s)]
+
+
+def cmd_train(argv: list[str]) -> int:
+    args, _ = _train_parser().parse_known_args(argv)
+    if args.help:
+        _train_parser().print_help()
+        return 0
+    config, args = resolve_config(argv)
+    if args.print_config:
+        print(json.dumps(to_dict(config), indent=2))
+        return 0
+    from lockstep.train.trainer import Trainer
+
+    trainer = Trainer(config)
+    result = trainer.fit()
+    first, last = result.val_losses.get(0), result.val_losses.get(max(result.val_losses, default=0))
+    print(f"\nrun directory: {result.run_dir}")
+    if result.losses:
+        print(f"final train loss: {result.losses[-1]:.4f}")
+    if first is not None and last is not None:
+        print(f"validation loss: {first:.4f} -> {last:.4f}")
+    if result.sample:
+        print(f"sample (greedy):\n{result.sample}")
+    return 0
+
+
+def cmd_recipes(argv: list[str]) -> int:
+    from lockstep.recipes import recipes
+    from lockstep.recipes.transforms import transform_names
+
+    print("recipes:")
+    for r in recipes():
+        print(f"  {r.name:<20} {r.description}")
+    print("\ntransforms (--transform NAME[=ARG]):")
+    for name, doc in transform_names().items():
+        print(f"  {name:<20} {doc}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "recipes": cmd_recipes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: lockstep {" + ",".join(COMMANDS) + "} ...")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"lockstep: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except ConfigError as err:
+        print(f"lockstep: config error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

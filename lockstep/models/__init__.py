@@ -1,0 +1,1 @@
+"""Model definitions: shared components in ``common/`` and one small wiring file per family."""

@@ -1,0 +1,10 @@
+"""Building blocks shared by every model family; their configs are registered as override kinds."""
+
+from lockstep.config.components import register_component
+from lockstep.models.common.attention import AttentionConfig
+from lockstep.models.common.mlp import SwiGLUConfig
+from lockstep.models.common.norm import RMSNormConfig
+
+register_component("attention", AttentionConfig)
+register_component("rmsnorm", RMSNormConfig)
+register_component("swiglu", SwiGLUConfig)

@@ -1,0 +1,76 @@
+"""Grouped-query attention with optional per-head q/k RMSNorm (Qwen3), backend chosen by name."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from lockstep.config.base import Config, require_choice
+from lockstep.models.common.norm import RMSNorm
+from lockstep.models.common.rope import apply_rotary
+from lockstep.ops.attention import attention_backends, get_attention
+
+
+@dataclasses.dataclass(kw_only=True)
+class AttentionConfig(Config):
+    """Self-attention block; overrides may swap the backend per layer."""
+
+    slot_kind: ClassVar[type]
+
+    #: attention kernel: "sdpa" (PyTorch scaled_dot_product_attention) or "reference"
+    backend: str = "sdpa"
+    #: RMSNorm each query/key head before RoPE (Qwen3)
+    qk_norm: bool = False
+    #: add a bias to the q/k/v projections (Qwen2-style checkpoints)
+    qkv_bias: bool = False
+
+    def validate(self, path: str = "") -> None:
+        require_choice(self.backend, attention_backends(), f"{path}.backend")
+
+    def build(
+        self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float
+    ) -> "GroupedQueryAttention":
+        return GroupedQueryAttention(self, dim, n_heads, n_kv_heads, head_dim, norm_eps)
+
+
+AttentionConfig.slot_kind = AttentionConfig
+
+
+class GroupedQueryAttention(nn.Module):
+    """Multi-head attention where groups of query heads share one key/value head."""
+
+    def __init__(
+        self,
+        config: AttentionConfig,
+        dim: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        norm_eps: float,
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.backend_name = config.backend
+        self.backend = get_attention(config.backend)
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=config.qkv_bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=config.qkv_bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=config.qkv_bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, norm_eps) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = rope
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.backend(q, k, v, causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

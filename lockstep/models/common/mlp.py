@@ -1,0 +1,44 @@
+"""Feed-forward layers: the SwiGLU MLP and the base config every feed-forward kind derives from."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockstep.config.base import Config
+
+
+@dataclasses.dataclass(kw_only=True)
+class FeedForwardConfig(Config):
+    """Base of feed-forward configs (dense MLPs now, mixtures of experts later)."""
+
+    slot_kind: ClassVar[type]
+
+    def build(self, *, dim: int, hidden_dim: int) -> nn.Module:  # noqa: D102
+        raise NotImplementedError
+
+
+FeedForwardConfig.slot_kind = FeedForwardConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class SwiGLUConfig(FeedForwardConfig):
+    """w2(silu(w1 x) * w3 x), the Llama/Qwen MLP."""
+
+    def build(self, *, dim: int, hidden_dim: int) -> "SwiGLU":
+        return SwiGLU(dim, hidden_dim)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))

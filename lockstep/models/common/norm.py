@@ -1,0 +1,56 @@
+"""Normalisation layers (RMSNorm) and their configs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockstep.config.base import Config, require_positive
+
+
+@dataclasses.dataclass(kw_only=True)
+class NormConfig(Config):
+    """Base of every norm config: any norm can replace any other through an override."""
+
+    slot_kind: ClassVar[type]
+
+    def build(self, *, dim: int, eps: float) -> nn.Module:  # noqa: D102
+        raise NotImplementedError
+
+
+NormConfig.slot_kind = NormConfig
+
+
+@dataclasses.dataclass(kw_only=True)
+class RMSNormConfig(NormConfig):
+    """Root-mean-square norm with a learned scale, computed in fp32."""
+
+    #: epsilon override; 0 uses the model's norm_eps
+    eps: float = 0.0
+
+    def validate(self, path: str = "") -> None:
+        if self.eps:
+            require_positive(self.eps, f"{path}.eps")
+
+    def build(self, *, dim: int, eps: float) -> "RMSNorm":
+        return RMSNorm(dim, self.eps or eps)
+
+
+class RMSNorm(nn.Module):
+    """y = x / rms(x) * weight, normalised in fp32 and cast back (as the HF reference does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed

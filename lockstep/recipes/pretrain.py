@@ -1,0 +1,54 @@
+"""Pretraining recipes on the embedded Shakespeare corpus."""
+
+from __future__ import annotations
+
+from lockstep.data.config import DataConfig
+from lockstep.models.registry import model_config
+from lockstep.recipes.registry import recipe
+from lockstep.train.config import OutputConfig, TrainerConfig, TrainingConfig, ValidationConfig
+from lockstep.train.optim import AdamWConfig, LRScheduleConfig
+
+
+@recipe("debug", "tiny llama3 (0.6M params) on Shakespeare, seq 64: seconds per run, for tests")
+def debug() -> TrainerConfig:
+    return TrainerConfig(
+        steps=20,
+        model=model_config("llama3", "debug"),
+        data=DataConfig(),
+        optimizer=AdamWConfig(lr=3e-3),
+        lr_schedule=LRScheduleConfig(warmup_steps=2),
+        training=TrainingConfig(batch_size=4, seq_len=64),
+        validation=ValidationConfig(every=10, batches=2),
+        output=OutputConfig(sample_tokens=16),
+    )
+
+
+@recipe("shakespeare", "llama3 tiny (6.8M params) on Shakespeare in bf16: the `make run` default, ~4 min on 2 cores")
+def shakespeare() -> TrainerConfig:
+    return TrainerConfig(
+        steps=600,
+        model=model_config("llama3", "tiny"),
+        data=DataConfig(),
+        optimizer=AdamWConfig(lr=2e-3, weight_decay=0.1),
+        lr_schedule=LRScheduleConfig(kind="cosine", warmup_steps=50, min_lr_ratio=0.1),
+        training=TrainingConfig(batch_size=16, seq_len=256, dtype="bfloat16"),
+        validation=ValidationConfig(every=100, batches=16),
+        output=OutputConfig(sample_tokens=80),
+    )
+
+
+@recipe("shakespeare-qwen3", "qwen3 tiny (q/k norm, tied embeddings) on Shakespeare in bf16")
+def shakespeare_qwen3() -> TrainerConfig:
+    cfg = shakespeare()
+    cfg.model = model_config("qwen3", "tiny")
+    return cfg
+
+
+@recipe("shakespeare-small", "llama3 small (29M params) on Shakespeare in bf16, WSD schedule: tens of minutes")
+def shakespeare_small() -> TrainerConfig:
+    cfg = shakespeare()
+    cfg.steps = 1500
+    cfg.model = model_config("llama3", "small")
+    cfg.optimizer = AdamWConfig(lr=1e-3)
+    cfg.lr_schedule = LRScheduleConfig(kind="wsd", warmup_steps=100, decay_fraction=0.2)
+    return cfg

@@ -1,0 +1,117 @@
+"""The root of a training run's config tree: ``TrainerConfig`` and its training-loop sections."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lockstep.config.base import Config, require, require_choice, require_positive
+from lockstep.data.config import DataConfig
+from lockstep.models.common.transformer import TransformerConfig
+from lockstep.train.optim import AdamWConfig, LRScheduleConfig
+
+DTYPES = ["float32", "bfloat16"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainingConfig(Config):
+    """Batch shape, precision, clipping and accumulation."""
+
+    #: sequences per micro-batch
+    batch_size: int = 8
+    #: tokens per sequence
+    seq_len: int = 256
+    #: micro-batches accumulated per optimizer step
+    grad_accum: int = 1
+    #: clip the global gradient norm to this (0 disables clipping)
+    max_grad_norm: float = 1.0
+    #: compute dtype: "float32", or "bfloat16" (autocast; weights and optimizer stay fp32)
+    dtype: str = "float32"
+    #: torch intra-op threads; 0 keeps torch's default
+    threads: int = 0
+
+    def validate(self, path: str = "training") -> None:
+        require_positive(self.batch_size, f"{path}.batch_size")
+        require_positive(self.seq_len, f"{path}.seq_len")
+        require_positive(self.grad_accum, f"{path}.grad_accum")
+        require(self.max_grad_norm >= 0, f"{path}.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+        require_choice(self.dtype, DTYPES, f"{path}.dtype")
+        require(self.threads >= 0, f"{path}.threads", f"must be >= 0, got {self.threads}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ValidationConfig(Config):
+    """Held-out loss during training."""
+
+    #: evaluate every N steps (and at the last step); 0 disables
+    every: int = 50
+    #: validation batches per evaluation (0 = the whole validation split)
+    batches: int = 8
+
+    def validate(self, path: str = "validation") -> None:
+        require(self.every >= 0, f"{path}.every", f"must be >= 0, got {self.every}")
+        require(self.batches >= 0, f"{path}.batches", f"must be >= 0, got {self.batches}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class OutputConfig(Config):
+    """What the run prints and writes besides metrics and the manifest."""
+
+    #: show a progress bar on the console
+    progress: bool = True
+    #: greedy-sample this many tokens from the trained model at the end (0 disables)
+    sample_tokens: int = 64
+    #: prompt of that sample
+    sample_prompt: str = "ROMEO:"
+    #: write the final weights as model.safetensors
+    save_weights: bool = True
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainerConfig(Config):
+    """A whole training run: recipe name, model, data, optimizer, schedule and loop settings."""
+
+    #: the recipe this config came from (informational)
+    recipe: str = "custom"
+    #: optimizer steps to run
+    steps: int = 100
+    #: seed of weights init, data order and everything random
+    seed: int = 0
+    #: run directory; empty means runs/<recipe>-<timestamp>
+    run_dir: str = ""
+    #: the model architecture
+    model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
+    #: the corpus, tokenizer and loaders
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    #: the optimizer
+    optimizer: AdamWConfig = dataclasses.field(default_factory=AdamWConfig)
+    #: the learning-rate schedule
+    lr_schedule: LRScheduleConfig = dataclasses.field(default_factory=LRScheduleConfig)
+    #: batch, precision and accumulation
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    #: held-out evaluation
+    validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
+    #: console and output files
+    output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    #: names of the model-config transforms that were applied, in order (recorded, not re-applied)
+    transforms: list[str] = dataclasses.field(default_factory=list)
+
+    def validate(self, path: str = "") -> None:
+        require_positive(self.steps, "steps")
+        require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+        require(
+            self.training.seq_len <= self.model.max_seq_len,
+            "training.seq_len",
+            f"must be <= model.max_seq_len={self.model.max_seq_len}, got {self.training.seq_len}",
+        )
+        require(
+            self.model.vocab_size >= self.data.vocab_size,
+            "model.vocab_size",
+            f"must be >= data.vocab_size={self.data.vocab_size}, got {self.model.vocab_size}",
+        )
+        self.model.validate("model")
+        self.data.validate("data")
+        self.optimizer.validate("optimizer")
+        self.lr_schedule.validate("lr_schedule")
+        self.training.validate("training")
+        self.validation.validate("validation")
+        self.output.validate("output")

@@ -1,0 +1,93 @@
+"""Optimizer and learning-rate schedule configs (AdamW; warmup+cosine, warmup-stable-decay)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lockstep.config.base import Config, require, require_choice, require_positive
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdamWConfig(Config):
+    """AdamW; weight decay applies to matrices only (not norms, biases or 1-D parameters)."""
+
+    #: peak learning rate
+    lr: float = 3e-4
+    #: Adam beta1
+    beta1: float = 0.9
+    #: Adam beta2
+    beta2: float = 0.95
+    #: Adam epsilon
+    eps: float = 1e-8
+    #: decoupled weight decay on matrices
+    weight_decay: float = 0.1
+
+    def validate(self, path: str = "optimizer") -> None:
+        require_positive(self.lr, f"{path}.lr")
+        require(0 <= self.beta1 < 1, f"{path}.beta1", f"must be in [0, 1), got {self.beta1}")
+        require(0 <= self.beta2 < 1, f"{path}.beta2", f"must be in [0, 1), got {self.beta2}")
+        require_positive(self.eps, f"{path}.eps")
+        require(self.weight_decay >= 0, f"{path}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+
+    def build(self, model: nn.Module) -> torch.optim.AdamW:
+        decay, no_decay = [], []
+        for param in model.parameters():
+            if param.requires_grad:
+                (decay if param.ndim >= 2 else no_decay).append(param)
+        groups = [
+            {"params": decay, "weight_decay": self.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        # foreach=False keeps the update a fixed sequence of per-tensor kernels (deterministic on CPU).
+        return torch.optim.AdamW(groups, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps,
+                                 foreach=False)
+
+
+@dataclasses.dataclass(kw_only=True)
+class LRScheduleConfig(Config):
+    """Learning rate as a function of step: linear warmup, then a decay shape."""
+
+    #: "cosine" (warmup then cosine to min), "wsd" (warmup, stable, then linear decay), "constant"
+    kind: str = "cosine"
+    #: steps of linear warmup from 0 to the peak
+    warmup_steps: int = 20
+    #: final lr as a fraction of the peak
+    min_lr_ratio: float = 0.1
+    #: wsd only: fraction of all steps spent in the final decay
+    decay_fraction: float = 0.2
+
+    def validate(self, path: str = "lr_schedule") -> None:
+        require_choice(self.kind, ["cosine", "wsd", "constant"], f"{path}.kind")
+        require(self.warmup_steps >= 0, f"{path}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        require(0 <= self.min_lr_ratio <= 1, f"{path}.min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        require(0 < self.decay_fraction <= 1, f"{path}.decay_fraction",
+                f"must be in (0, 1], got {self.decay_fraction}")
+
+    def build(self, *, peak_lr: float, total_steps: int) -> Callable[[int], float]:
+        """lr(step) for steps 1..total_steps."""
+        return lambda step: peak_lr * lr_multiplier(self, step, total_steps)
+
+
+def lr_multiplier(cfg: LRScheduleConfig, step: int, total_steps: int) -> float:
+    """Multiplier of the peak lr at 1-based ``step``."""
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    if warmup and step <= warmup:
+        return step / warmup
+    if cfg.kind == "constant":
+        return 1.0
+    floor = cfg.min_lr_ratio
+    if cfg.kind == "cosine":
+        span = max(total_steps - warmup, 1)
+        progress = min((step - warmup) / span, 1.0)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    decay_steps = max(int(round(cfg.decay_fraction * total_steps)), 1)
+    decay_start = total_steps - decay_steps
+    if step <= decay_start:
+        return 1.0
+    progress = min((step - decay_start) / decay_steps, 1.0)
+    return 1.0 - (1.0 - floor) * progress

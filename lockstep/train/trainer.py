@@ -1,0 +1,235 @@
+"""The pretraining/SFT loop: one config tree in, a run directory of metrics, manifest and weights out.
+
+A step is: fetch micro-batches (``time/data``), forward + loss (``time/forward``), backward
+(``time/backward``), clip + optimizer (``time/optimizer``); the stage times, throughput and MFU of
+every step go to ``metrics.jsonl``. Validation and checkpoint-like work are kept out of step time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_model
+
+from lockstep.config.base import ConfigError, to_dict
+from lockstep.data.config import DataBundle
+from lockstep.models.common.transformer import Transformer, build_model
+from lockstep.observe import (
+    MetricsWriter,
+    ProgressBar,
+    RunManifest,
+    StageTimer,
+    mfu,
+    peak_matmul_record,
+    peak_rss_bytes,
+    plot_loss,
+)
+from lockstep.train.config import TrainerConfig
+from lockstep.train.sample import greedy_continue
+
+DTYPE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class TrainResult:
+    run_dir: Path
+    losses: list[float]
+    val_losses: dict[int, float]
+    sample: str | None
+
+
+def default_run_dir(recipe: str) -> Path:
+    return Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class Trainer:
+    """Builds every component from a ``TrainerConfig`` and runs the loop."""
+
+    def __init__(self, config: TrainerConfig) -> None:
+        config.validate()
+        self.config = config
+        cfg = config.training
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        seed_everything(config.seed)
+        self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.recipe)
+        if (self.run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"run_dir: {self.run_dir} already holds a run (metrics.jsonl); choose another")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.data: DataBundle = config.data.build(seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=config.seed)
+        if self.data.tokenizer.vocab_size > config.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size: {config.model.vocab_size} is smaller than the tokenizer's "
+                f"{self.data.tokenizer.vocab_size} tokens"
+            )
+        self.model: Transformer = build_model(config.model, seed=config.seed)
+        self.optimizer = config.optimizer.build(self.model)
+        self.lr_at = config.lr_schedule.build(peak_lr=config.optimizer.lr, total_steps=config.steps)
+        self.dtype = DTYPE[cfg.dtype]
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+        self.flops_per_token = self.model.flops_per_token(cfg.seq_len)
+        self.peak = peak_matmul_record(self.dtype, torch.get_num_threads())
+        self.timer = StageTimer()
+        self.manifest = self._manifest()
+
+    def _manifest(self) -> RunManifest:
+        model = self.model
+        manifest = RunManifest(
+            self.run_dir,
+            recipe=to_dict(self.config),
+            model={
+                "family": self.config.model.family,
+                "flavor": self.config.model.flavor,
+                "parameters": model.num_params(),
+                "parameters_without_embedding": model.num_params(exclude_embedding=True),
+                "flops_per_token": self.flops_per_token,
+                "seq_len": self.config.training.seq_len,
+            },
+        )
+        manifest.update(
+            kernels={
+                "attention": sorted({layer.attention.backend_name for layer in model.layers.values()}),
+                "compute_dtype": self.config.training.dtype,
+                "autocast": self.dtype != torch.float32,
+            },
+            determinism={
+                "seed": self.config.seed,
+                "threads": torch.get_num_threads(),
+                "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+                "note": "same recipe, seed, machine and thread count give bitwise identical losses",
+            },
+            peak_flops=self.peak,
+            data={
+                "dataset": self.config.data.dataset,
+                "tokenizer_vocab": self.data.tokenizer.vocab_size,
+                "train_tokens": self.data.train_tokens,
+                "val_tokens": self.data.val_tokens,
+            },
+            transforms=list(self.config.transforms),
+        )
+        manifest.write()
+        return manifest
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.dtype)
+
+    def train_step(self, step: int, batches) -> dict[str, float]:
+        cfg = self.config.training
+        lr = self.lr_at(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total_loss = 0.0
+        for _ in range(cfg.grad_accum):
+            with self.timer.stage("data"):
+                inputs, targets = next(batches)
+            with self.timer.stage("forward"), self._autocast():
+                loss = lm_loss(self.model(inputs), targets) / cfg.grad_accum
+            with self.timer.stage("backward"):
+                loss.backward()
+            total_loss += float(loss.detach())
+        with self.timer.stage("optimizer"):
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=False))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": total_loss, "lr": lr, "grad_norm": grad_norm}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        losses = []
+        limit = self.config.validation.batches or None
+        for i, (inputs, targets) in enumerate(self.data.val.iter_epoch()):
+            if limit is not None and i >= limit:
+                break
+            with self._autocast():
+                losses.append(float(lm_loss(self.model(inputs), targets)))
+        self.model.train()
+        return sum(losses) / max(len(losses), 1)
+
+    def fit(self) -> TrainResult:
+        cfg, steps = self.config, self.config.steps
+        batches = iter(self.data.train)
+        losses: list[float] = []
+        val_losses: dict[int, float] = {}
+        bar = ProgressBar(steps, desc=cfg.recipe, enabled=cfg.output.progress)
+        initial_val = self.evaluate() if cfg.validation.every else None
+        if initial_val is not None:
+            val_losses[0] = initial_val
+        with MetricsWriter(self.run_dir / "metrics.jsonl") as writer:
+            if initial_val is not None:
+                writer.write({"step": 0, "val_loss": initial_val})
+            self.model.train()
+            for step in range(1, steps + 1):
+                started = time.perf_counter()
+                record = {"step": step, **self.train_step(step, batches)}
+                stages = self.timer.pop()
+                seconds = time.perf_counter() - started
+                tokens_per_s = self.tokens_per_step / seconds
+                record.update(
+                    tokens=self.tokens_per_step * step,
+                    tokens_per_s=tokens_per_s,
+                    mfu=mfu(tokens_per_s, self.flops_per_token, self.peak["value"]),
+                    **stages,
+                    **{"time/step": seconds},
+                    peak_rss_bytes=peak_rss_bytes(),
+                )
+                every = cfg.validation.every
+                if every and (step % every == 0 or step == steps):
+                    record["val_loss"] = val_losses[step] = self.evaluate()
+                losses.append(record["loss"])
+                writer.write(record)
+                bar.update(step, loss=record["loss"], tokens_per_s=tokens_per_s)
+        bar.close()
+        return self._finish(losses, val_losses)
+
+    def _finish(self, losses: list[float], val_losses: dict[int, float]) -> TrainResult:
+        from lockstep.observe import read_metrics
+
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        plot_loss([r for r in records if "loss" in r], self.run_dir / "loss.png",
+                  val_metrics=[r for r in records if "val_loss" in r])
+        out = self.config.output
+        if out.save_weights:
+            save_model(self.model, str(self.run_dir / "model.safetensors"))
+            shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
+        sample = None
+        if out.sample_tokens:
+            tok = self.data.tokenizer
+            ids = greedy_continue(self.model, tok.encode(out.sample_prompt), out.sample_tokens,
+                                  self.config.training.seq_len, stop_id=tok.eos_id)
+            sample = out.sample_prompt + tok.decode(ids)
+        first_val = val_losses.get(0)
+        last_val = val_losses[max(val_losses)] if val_losses else None
+        self.manifest.update(result={
+            "steps": len(losses),
+            "final_loss": losses[-1] if losses else None,
+            "initial_val_loss": first_val,
+            "final_val_loss": last_val,
+            "sample": sample,
+        })
+        self.manifest.write()
+        return TrainResult(self.run_dir, losses, val_losses, sample)
