@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 from lockstep.config.base import ConfigError
 from lockstep.models.common.transformer import TransformerConfig
@@ -19,6 +20,8 @@ class ModelSpec:
     #: Hugging Face ``model_type`` values this family reads and writes
     hf_model_types: tuple[str, ...] = ()
     description: str = ""
+    #: converter to/from Hugging Face config.json + state dict (a lockstep.models.hf.adapter.HFAdapter)
+    hf_adapter: Any = None
 
 
 _REGISTRY: dict[str, ModelSpec] = {}
@@ -33,6 +36,7 @@ def _ensure_families_loaded() -> None:
     # Importing the family packages registers them; kept lazy to avoid import cycles.
     import lockstep.models.llama3  # noqa: F401
     import lockstep.models.qwen3  # noqa: F401
+    # (new families: add one import line here)
 
 
 def model_families() -> list[str]:
@@ -55,3 +59,13 @@ def model_config(family: str, flavor: str) -> TransformerConfig:
             f"model.flavor: {family} has no flavor {flavor!r}; choose from {list(spec.flavors)}"
         )
     return spec.flavors[flavor]()
+
+
+def spec_for_hf_model_type(model_type: str) -> ModelSpec:
+    """The family that reads Hugging Face checkpoints of ``model_type``."""
+    _ensure_families_loaded()
+    for spec in _REGISTRY.values():
+        if model_type in spec.hf_model_types:
+            return spec
+    known = sorted(t for s in _REGISTRY.values() for t in s.hf_model_types)
+    raise ConfigError(f"config.json model_type {model_type!r} is not supported; supported: {known}")

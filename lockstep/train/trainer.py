@@ -142,20 +142,26 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         total_loss = 0.0
+        extra: dict[str, float] = {}
         for _ in range(cfg.grad_accum):
             with self.timer.stage("data"):
                 inputs, targets = next(batches)
             with self.timer.stage("forward"), self._autocast():
-                loss = lm_loss(self.model(inputs), targets) / cfg.grad_accum
+                main = lm_loss(self.model(inputs), targets)
+                aux_losses, aux_metrics = self.model.pop_auxiliary()
+                loss = (main + sum(aux_losses.values())) / cfg.grad_accum
             with self.timer.stage("backward"):
                 loss.backward()
-            total_loss += float(loss.detach())
+            total_loss += float(main.detach()) / cfg.grad_accum
+            for name, value in [*((f"aux_loss/{k}", float(v)) for k, v in aux_losses.items()),
+                                *aux_metrics.items()]:
+                extra[name] = extra.get(name, 0.0) + value / cfg.grad_accum
         with self.timer.stage("optimizer"):
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=False))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": total_loss, "lr": lr, "grad_norm": grad_norm}
+        return {"loss": total_loss, "lr": lr, "grad_norm": grad_norm, **extra}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -215,7 +221,7 @@ class Trainer:
         out = self.config.output
         if out.save_weights:
             save_model(self.model, str(self.run_dir / "model.safetensors"))
-            shutil.copyfile(self.data.tokenizer_path, self.run_dir / "tokenizer.json")
+            shutil.copyfile(self.config.data.resolved_tokenizer_path(), self.run_dir / "tokenizer.json")
         sample = None
         if out.sample_tokens:
             tok = self.data.tokenizer

@@ -157,6 +157,23 @@ class Transformer(nn.Module):
             h = layer(h, rope)
         return self.output(self.norm(h))
 
+    def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Auxiliary losses (already weighted, added to the training loss) and metrics that
+        submodules recorded during the last forward, e.g. MoE load-balancing terms and expert load.
+
+        Any submodule may define ``pop_auxiliary()`` returning the same pair; names are prefixed
+        with the module path so layers stay apart. Calling this clears what was recorded.
+        """
+        losses: dict[str, torch.Tensor] = {}
+        metrics: dict[str, float] = {}
+        for name, module in self.named_modules():
+            if module is self or not hasattr(module, "pop_auxiliary"):
+                continue
+            sub_losses, sub_metrics = module.pop_auxiliary()
+            losses.update({f"{name}/{k}": v for k, v in sub_losses.items()})
+            metrics.update({f"{name}/{k}": v for k, v in sub_metrics.items()})
+        return losses, metrics
+
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
         """Initialise every parameter and buffer in place (works after ``to_empty``)."""
