@@ -93,7 +93,9 @@ def _field_flags(cls: type, prefix: str) -> list[str]:
             for sub in _subclass_fields(hint):
                 flags += _field_flags(sub, f"{prefix}{field.name}.")
         else:
-            flags += [f"--{name}", f"--no-{name}"] if hint is bool else [f"--{name}"]
+            head, _, leaf = name.rpartition(".")
+            negated = f"--{head}.no-{leaf}" if head else f"--no-{leaf}"
+            flags += [f"--{name}", negated] if hint is bool else [f"--{name}"]
     return flags
 
 
