@@ -35,6 +35,9 @@ _MAX_REPEATS = 50
 _BUDGET_S = 1.0  # timed repeats stop after this much wall time (at least _MIN_REPEATS run)
 
 
+MIN_SAMPLES = 3
+
+
 def cache_dir() -> Path:
     """Where lockstep keeps per-machine caches: ``$LOCKSTEP_CACHE`` or ``~/.cache/lockstep``."""
     env = os.environ.get(ENV_CACHE)
@@ -147,10 +150,18 @@ def peak_matmul_record(
     key = _cache_key(dtype, threads)
     with _locked(path.with_suffix(".lock")):
         hit = None if refresh else _read_cache(path).get(key)
-        if isinstance(hit, dict) and isinstance(hit.get("value"), (int, float)):
+        valid = isinstance(hit, dict) and isinstance(hit.get("value"), (int, float))
+        if valid and hit.get("samples", 1) >= MIN_SAMPLES:
             return {**base, **hit, "cached": True, "source": "cache"}
+        # A measurement taken while the host is busy reads low (and MFU high); the cache keeps the
+        # best of the first MIN_SAMPLES runs' measurements rather than trusting the first one.
         value, size = _measure(dtype, threads)
-        entry = {"value": value, **base, "size": size, "measured_at": _now()}
+        samples = 1
+        if valid:
+            samples = hit.get("samples", 1) + 1
+            if hit["value"] > value:
+                value, size = hit["value"], hit.get("size", size)
+        entry = {"value": value, **base, "size": size, "measured_at": _now(), "samples": samples}
         cache = _read_cache(path)
         cache[key] = entry
         atomic_write_json(path, cache)
