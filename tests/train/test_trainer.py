@@ -1,0 +1,91 @@
+"""Integration: the debug recipe trains, is bitwise deterministic, and writes a complete run dir."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lockstep.config.base import ConfigError
+from lockstep.recipes import get_recipe
+from lockstep.train.trainer import Trainer
+
+pytestmark = pytest.mark.xdist_group("trainer")
+
+
+def _debug(tmp_path, name="run", **changes):
+    cfg = get_recipe("debug").config()
+    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / name), **changes)
+    cfg.output = dataclasses.replace(cfg.output, progress=False)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def debug_run(tmp_path_factory):
+    cfg = _debug(tmp_path_factory.mktemp("debug"))
+    return Trainer(cfg).fit()
+
+
+def test_debug_recipe_loss_falls(debug_run):
+    losses = debug_run.losses
+    assert len(losses) == 20
+    assert sum(losses[-5:]) / 5 < sum(losses[:3]) / 3 - 0.5
+    assert debug_run.val_losses[20] < debug_run.val_losses[0]
+
+
+def test_run_directory_has_every_file_and_key(debug_run):
+    run = debug_run.run_dir
+    for name in ("metrics.jsonl", "manifest.json", "loss.png", "model.safetensors", "tokenizer.json"):
+        assert (run / name).is_file() and (run / name).stat().st_size > 0, name
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 21))
+    required = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "mfu", "time/data", "time/forward",
+                "time/backward", "time/optimizer", "peak_rss_bytes"}
+    for r in steps:
+        assert required <= set(r), required - set(r)
+        assert 0 < r["mfu"] < 1 and r["tokens_per_s"] > 0
+    manifest = json.loads((run / "manifest.json").read_text())
+    for key in ("recipe", "model", "versions", "hardware", "checks", "kernels", "determinism", "peak_flops"):
+        assert key in manifest, key
+    assert manifest["recipe"]["recipe"] == "debug"
+    assert manifest["model"]["parameters"] > 0 and manifest["model"]["flops_per_token"] > 0
+    assert {"python", "torch", "lockstep"} <= set(manifest["versions"])
+    assert manifest["kernels"]["attention"] == ["sdpa"]
+    weights = load_file(str(run / "model.safetensors"))
+    assert "layers.0.attention.wq.weight" in weights
+
+
+def test_same_recipe_and_seed_is_bitwise_deterministic(tmp_path, debug_run):
+    steps = 8
+    a = Trainer(_debug(tmp_path, "a", steps=steps)).fit()
+    b = Trainer(_debug(tmp_path, "b", steps=steps)).fit()
+    assert a.losses == b.losses  # float equality: bitwise
+    wa = load_file(str(a.run_dir / "model.safetensors"))
+    wb = load_file(str(b.run_dir / "model.safetensors"))
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    c = Trainer(_debug(tmp_path, "c", steps=steps, seed=1)).fit()
+    assert c.losses != a.losses
+
+
+def test_bf16_and_grad_accum_run(tmp_path):
+    cfg = _debug(tmp_path, steps=4)
+    cfg.training = dataclasses.replace(cfg.training, dtype="bfloat16", grad_accum=2)
+    result = Trainer(cfg).fit()
+    assert len(result.losses) == 4 and all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_refuses_to_overwrite_an_existing_run(tmp_path, debug_run):
+    cfg = _debug(tmp_path)
+    cfg = dataclasses.replace(cfg, run_dir=str(debug_run.run_dir))
+    with pytest.raises(ConfigError, match="already holds a run"):
+        Trainer(cfg)
+
+
+def test_trainer_validates_before_work(tmp_path):
+    cfg = _debug(tmp_path)
+    cfg.training = dataclasses.replace(cfg.training, seq_len=100000)
+    with pytest.raises(ConfigError, match="training.seq_len: must be <= model.max_seq_len"):
+        Trainer(cfg)
+    assert not (tmp_path / "run").exists()
