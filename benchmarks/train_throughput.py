@@ -57,7 +57,7 @@ class HFLoop:
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
 
 def measure(dtype_name: str, args, run_root: str) -> dict:
@@ -92,17 +92,25 @@ def measure(dtype_name: str, args, run_root: str) -> dict:
     hf_steps(args.warmup)
     ours, theirs = [], []
     step = args.warmup + 1
-    for _ in range(args.rounds):
-        ours.append(lockstep_steps(args.steps, step))
+    for round_index in range(args.rounds):
+        # ABBA order: each side goes first in half of the rounds, so drift hits both alike.
+        if round_index % 2 == 0:
+            ours.append(lockstep_steps(args.steps, step))
+            theirs.append(hf_steps(args.steps))
+        else:
+            theirs.append(hf_steps(args.steps))
+            ours.append(lockstep_steps(args.steps, step))
         step += args.steps
-        theirs.append(hf_steps(args.steps))
     peak = peak_matmul_record(dtype, torch.get_num_threads())["value"]
     ours_tps, theirs_tps = statistics.median(ours), statistics.median(theirs)
     return {
         "dtype": dtype_name,
         "lockstep_tokens_per_s": ours_tps,
         "hf_tokens_per_s": theirs_tps,
-        "ratio": ours_tps / theirs_tps,
+        # paired per-round ratios: robust to the host's speed changing between rounds
+        "ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
+        "ratio_min": min(a / b for a, b in zip(ours, theirs)),
+        "ratio_max": max(a / b for a, b in zip(ours, theirs)),
         "lockstep_mfu": mfu(ours_tps, trainer.flops_per_token, peak),
         "hf_mfu": mfu(theirs_tps, trainer.flops_per_token, peak),
         "params": trainer.model.num_params(),
@@ -124,12 +132,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"llama3 {args.flavor}: batch {args.batch_size} x seq {args.seq_len}, threads {args.threads}, "
           f"{args.rounds} interleaved rounds of {args.steps} steps (median)")
-    print(f"{'dtype':<10} {'lockstep tok/s':>15} {'HF tok/s':>10} {'ratio':>7} {'lockstep MFU':>13} {'HF MFU':>8}")
+    print(f"{'dtype':<10} {'lockstep tok/s':>15} {'HF tok/s':>10} {'ratio':>7} {'(range)':>13} "
+          f"{'lockstep MFU':>13} {'HF MFU':>8}")
     with tempfile.TemporaryDirectory() as root:
         for dtype_name in args.dtypes.split(","):
             r = measure(dtype_name, args, root)
             print(f"{r['dtype']:<10} {r['lockstep_tokens_per_s']:>15.0f} {r['hf_tokens_per_s']:>10.0f} "
-                  f"{r['ratio']:>6.2f}x {r['lockstep_mfu']:>12.1%} {r['hf_mfu']:>7.1%}")
+                  f"{r['ratio']:>6.2f}x {r['ratio_min']:>6.2f}-{r['ratio_max']:.2f}x "
+                  f"{r['lockstep_mfu']:>12.1%} {r['hf_mfu']:>7.1%}")
 
 
 if __name__ == "__main__":

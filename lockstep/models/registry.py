@@ -36,6 +36,8 @@ def _ensure_families_loaded() -> None:
     # Importing the family packages registers them; kept lazy to avoid import cycles.
     import lockstep.models.llama3  # noqa: F401
     import lockstep.models.qwen3  # noqa: F401
+    import lockstep.models.qwen3_moe  # noqa: F401
+    import lockstep.models.deepseek_v3  # noqa: F401
     # (new families: add one import line here)
 
 

@@ -55,13 +55,18 @@ def sdpa_attention(
     mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """PyTorch scaled_dot_product_attention (the flash kernel on CPU when no mask is given)."""
-    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    """PyTorch scaled_dot_product_attention (the flash kernel on CPU when no mask is given).
+
+    Without a mask, grouped heads go to the kernel as they are (``enable_gqa``), which saves the
+    copy of expanded keys/values and its backward; masked calls expand them first.
+    """
     if mask is None and causal and q.shape[2] != k.shape[2]:
         mask = causal_mask(q.shape[2], k.shape[2], q.device)
     if mask is not None:
+        k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 @register_attention("reference")

@@ -158,7 +158,7 @@ class Trainer:
                 extra[name] = extra.get(name, 0.0) + value / cfg.grad_accum
         with self.timer.stage("optimizer"):
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=False))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return {"loss": total_loss, "lr": lr, "grad_norm": grad_norm, **extra}

@@ -2,9 +2,13 @@
 
 from lockstep.config.components import register_component
 from lockstep.models.common.attention import AttentionConfig
+from lockstep.models.common.mla import MLAConfig
 from lockstep.models.common.mlp import SwiGLUConfig
+from lockstep.models.common.moe import MoEConfig
 from lockstep.models.common.norm import RMSNormConfig
 
 register_component("attention", AttentionConfig)
+register_component("mla", MLAConfig)
+register_component("moe", MoEConfig)
 register_component("rmsnorm", RMSNormConfig)
 register_component("swiglu", SwiGLUConfig)

@@ -166,9 +166,10 @@ class Transformer(nn.Module):
         """
         losses: dict[str, torch.Tensor] = {}
         metrics: dict[str, float] = {}
-        for name, module in self.named_modules():
-            if module is self or not hasattr(module, "pop_auxiliary"):
-                continue
+        if not hasattr(self, "_auxiliary_sources"):  # the module tree is fixed once built
+            self._auxiliary_sources = [(n, m) for n, m in self.named_modules()
+                                       if m is not self and hasattr(m, "pop_auxiliary")]
+        for name, module in self._auxiliary_sources:
             sub_losses, sub_metrics = module.pop_auxiliary()
             losses.update({f"{name}/{k}": v for k, v in sub_losses.items()})
             metrics.update({f"{name}/{k}": v for k, v in sub_metrics.items()})

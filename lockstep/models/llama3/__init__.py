@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from lockstep.models.common.rope import RopeConfig
 from lockstep.models.common.transformer import TransformerConfig
+from lockstep.models.llama3.hf import ADAPTER as HF_ADAPTER
 from lockstep.models.registry import ModelSpec, register_model
 
 
@@ -38,6 +39,6 @@ FLAVORS = {
 }
 
 SPEC = register_model(
-    ModelSpec(name="llama3", flavors=FLAVORS, hf_model_types=("llama",),
+    ModelSpec(name="llama3", flavors=FLAVORS, hf_model_types=("llama",), hf_adapter=HF_ADAPTER,
               description="Llama 3 / 3.1 dense decoder (GQA, SwiGLU, RoPE with llama3 scaling)")
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from lockstep.models.common.attention import AttentionConfig
 from lockstep.models.common.rope import RopeConfig
 from lockstep.models.common.transformer import TransformerConfig
+from lockstep.models.qwen3.hf import ADAPTER as HF_ADAPTER
 from lockstep.models.registry import ModelSpec, register_model
 
 
@@ -28,6 +29,6 @@ FLAVORS = {
 }
 
 SPEC = register_model(
-    ModelSpec(name="qwen3", flavors=FLAVORS, hf_model_types=("qwen3",),
+    ModelSpec(name="qwen3", flavors=FLAVORS, hf_model_types=("qwen3",), hf_adapter=HF_ADAPTER,
               description="Qwen3 dense decoder (GQA with q/k norm, SwiGLU, RoPE theta 1e6)")
 )

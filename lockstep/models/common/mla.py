@@ -1,0 +1,138 @@
+"""Multi-head latent attention (MLA), DeepSeek-V2/V3 and Kimi-K2.
+
+Queries come from ``wq(x)``, or through a low-rank bottleneck ``wq_b(q_norm(wq_a(x)))`` when
+``q_lora_rank > 0``. Keys and values share one compressed latent: ``wkv_a(x)`` gives
+``c_kv`` (``kv_lora_rank`` wide) and a single rotary key ``k_pe`` (``qk_rope_head_dim`` wide, shared
+by all heads); ``wkv_b(kv_norm(c_kv))`` expands the latent into per-head ``k_nope`` and ``v``. RoPE
+is *decoupled*: it rotates only ``q_pe`` and ``k_pe``; a head's key is ``[k_nope, k_pe]`` and its
+query ``[q_nope, q_pe]``. The softmax scale is ``softmax_mscale / sqrt(qk_nope_head_dim +
+qk_rope_head_dim)`` where DeepSeek's YaRN sets ``softmax_mscale = get_mscale(factor,
+mscale_all_dim) ** 2``.
+
+Layout of the rotary dims: DeepSeek checkpoints rotate *interleaved* pairs ``(x0, x1), (x2, x3), ...``
+(``rope_interleave=True``, as HF's default). Like transformers' ``apply_rotary_pos_emb_interleave``
+this gathers the even then the odd dims of ``q_pe``/``k_pe`` and rotates the result in the
+half-rotation layout; q and k are permuted alike, so the scores equal those of pairwise rotation.
+
+The rope tables passed in must be built for ``qk_rope_head_dim`` (the DeepSeek family's
+``TransformerConfig`` does this by reporting ``qk_rope_head_dim`` as its head size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+
+from lockstep.config.base import require, require_choice, require_positive
+from lockstep.models.common.attention import AttentionConfig
+from lockstep.models.common.norm import RMSNorm
+from lockstep.models.common.rope import apply_rotary
+from lockstep.ops.attention import attention_backends, get_attention
+
+
+@dataclasses.dataclass(kw_only=True)
+class MLAConfig(AttentionConfig):
+    """Multi-head latent attention; an attention kind, so overrides may swap its backend per layer.
+
+    ``qkv_bias`` means HF's ``attention_bias``: a bias on ``wq_a``, ``wkv_a`` and ``wo``.
+    ``qk_norm`` is not supported (MLA normalises its latents instead).
+    """
+
+    #: rank of the query bottleneck; 0 projects queries directly (no q compression)
+    q_lora_rank: int = 0
+    #: width of the compressed key/value latent c_kv
+    kv_lora_rank: int = 512
+    #: per-head query/key dims without rotary embedding
+    qk_nope_head_dim: int = 128
+    #: per-head query dims (and shared key dims) carrying the rotary embedding
+    qk_rope_head_dim: int = 64
+    #: per-head value dims
+    v_head_dim: int = 128
+    #: rotate interleaved pairs of rotary dims (DeepSeek/HF checkpoints); False: half-rotation
+    rope_interleave: bool = True
+    #: multiplier of the 1/sqrt(qk head dim) softmax scale; 0 = derive from the model's rope
+    #: (YaRN: get_mscale(factor, mscale_all_dim)^2; 1 without YaRN)
+    softmax_mscale: float = 0.0
+    #: epsilon of the q and kv latent RMSNorms (DeepSeek uses 1e-6 whatever the model's norm_eps)
+    latent_norm_eps: float = 1e-6
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def validate(self, path: str = "") -> None:
+        require_choice(self.backend, attention_backends(), f"{path}.backend")
+        require(not self.qk_norm, f"{path}.qk_norm", "is not supported by MLA (its latents are normalised)")
+        require(self.q_lora_rank >= 0, f"{path}.q_lora_rank", f"must be >= 0 (0 = no q compression), got {self.q_lora_rank}")
+        for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "latent_norm_eps"):
+            require_positive(getattr(self, name), f"{path}.{name}")
+        require(self.qk_nope_head_dim >= 0, f"{path}.qk_nope_head_dim", f"must be >= 0, got {self.qk_nope_head_dim}")
+        require(self.qk_rope_head_dim % 2 == 0, f"{path}.qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")
+        require(self.softmax_mscale >= 0, f"{path}.softmax_mscale", f"must be >= 0 (0 = from rope), got {self.softmax_mscale}")
+
+    def build(
+        self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float
+    ) -> "MultiHeadLatentAttention":
+        # head_dim is the rope table width the model built; MLA's own head sizes come from this config.
+        if n_kv_heads != n_heads:
+            raise ValueError(f"MLA expands keys/values for every head: n_kv_heads ({n_kv_heads}) must equal n_heads ({n_heads})")
+        if head_dim != self.qk_rope_head_dim:
+            raise ValueError(
+                f"MLA needs rope tables of qk_rope_head_dim={self.qk_rope_head_dim}, the model built {head_dim}"
+            )
+        return MultiHeadLatentAttention(self, dim, n_heads)
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[x0, x1, x2, x3, ...] -> [x0, x2, ..., x1, x3, ...] over the last dim."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """x [B, T, dim], rope (cos, sin) [B or 1, T, qk_rope_head_dim] -> [B, T, dim]."""
+
+    def __init__(self, config: MLAConfig, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.config = config
+        self.n_heads = n_heads
+        self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.qk_head_dim, self.v_head_dim = config.qk_head_dim, config.v_head_dim
+        self.backend_name = config.backend
+        self.backend = get_attention(config.backend)
+        self.scale = (config.softmax_mscale or 1.0) / math.sqrt(self.qk_head_dim)
+        bias = config.qkv_bias
+        if self.q_lora_rank:
+            self.wq_a = nn.Linear(dim, self.q_lora_rank, bias=bias)
+            self.q_norm = RMSNorm(self.q_lora_rank, config.latent_norm_eps)
+            self.wq_b = nn.Linear(self.q_lora_rank, n_heads * self.qk_head_dim, bias=False)
+        else:
+            self.wq = nn.Linear(dim, n_heads * self.qk_head_dim, bias=False)
+        self.wkv_a = nn.Linear(dim, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias)
+        self.kv_norm = RMSNorm(self.kv_lora_rank, config.latent_norm_eps)
+        self.wkv_b = nn.Linear(self.kv_lora_rank, n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.wo = nn.Linear(n_heads * self.v_head_dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
+        q = q.view(bsz, seq, self.n_heads, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+
+        c_kv, k_pe = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_pe = k_pe.view(bsz, 1, seq, self.qk_rope_head_dim)  # one rotary key shared by every head
+        if self.config.rope_interleave:
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        cos, sin = rope
+        q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
+
+        kv = self.wkv_b(self.kv_norm(c_kv)).view(bsz, seq, self.n_heads, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = torch.split(kv.transpose(1, 2), [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, self.n_heads, -1, -1)], dim=-1)
+        out = self.backend(q, k, v, causal=True, scale=self.scale)  # [B, H, T, v_head_dim]
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, self.n_heads * self.v_head_dim))

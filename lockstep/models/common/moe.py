@@ -1,0 +1,258 @@
+"""Dropless mixture-of-experts feed-forward (Qwen3-MoE, DeepSeek-V3 routing) with grouped experts.
+
+A ``MoEConfig`` builds a :class:`MoE`: a router (``gate`` Linear plus the DeepSeek-V3
+``e_score_correction_bias`` buffer), ``n_routed_experts`` SwiGLU experts held as stacked weights
+``[E, ...]`` and computed grouped (tokens sorted by expert, one matmul per contiguous slice, via
+``torch._grouped_mm`` where it is used, else a loop over experts), plus optional shared experts.
+No token is ever dropped: every expert takes all the tokens routed to it.
+
+Each forward records expert-load metrics (and the weighted sequence balance loss when enabled) that
+``Transformer.pop_auxiliary`` collects; in training mode the aux-loss-free bias is updated from the
+observed load after the forward. That in-forward update assumes one forward per micro-batch: a
+recomputing activation checkpoint would route its recompute with the updated bias, and under data
+parallelism the expert counts are per rank (all-reduce them before ``balance_bias_update`` there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockstep.config.base import require, require_choice, require_positive
+from lockstep.models.common.mlp import FeedForwardConfig, SwiGLU
+from lockstep.models.common.moe_routing import (
+    balance_bias_update,
+    forced_balanced_indices,
+    load_stats,
+    route,
+    sequence_balance_loss,
+)
+
+SCORE_FUNCS = ["softmax", "sigmoid"]
+ROUTINGS = ["learned", "forced_balanced"]
+EXPERT_IMPLS = ["auto", "grouped_mm", "loop"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class MoEConfig(FeedForwardConfig):
+    """Top-k routed SwiGLU experts (+ optional shared experts); dropless."""
+
+    #: number of routed experts E
+    n_routed_experts: int = 8
+    #: experts each token is routed to (top-k)
+    n_activated: int = 2
+    #: hidden size of each expert's SwiGLU; 0 uses the model's dense ffn_dim
+    moe_ffn_dim: int = 0
+    #: shared experts, always applied, fused into one SwiGLU of hidden size moe_ffn_dim * n_shared_experts
+    n_shared_experts: int = 0
+    #: router affinity: "softmax" over experts (Qwen3-MoE) or per-expert "sigmoid" (DeepSeek-V3)
+    score_func: str = "softmax"
+    #: renormalise the chosen k weights to sum to 1 (before routed_scaling_factor)
+    norm_topk_prob: bool = True
+    #: multiply the routed experts' weights by this (DeepSeek-V3 uses 2.5)
+    routed_scaling_factor: float = 1.0
+    #: expert groups for group-limited routing (DeepSeek-V3: 8); 1 disables
+    n_group: int = 1
+    #: groups each token may pick experts from (must be <= n_group)
+    topk_group: int = 1
+    #: aux-loss-free balancing: step of the sign-based selection-bias update per training forward; 0 disables
+    bias_update_speed: float = 0.0
+    #: weight of the DeepSeek-V3 sequence-wise balance loss (added to the training loss); 0 disables
+    seq_aux_loss_coef: float = 0.0
+    #: "learned" (router decides) or "forced_balanced" (round-robin, weights 1/k; benchmarking only)
+    routing: str = "learned"
+    #: expert matmuls: "grouped_mm" (torch._grouped_mm), "loop" (one matmul per expert), or "auto"
+    #: (grouped_mm on CPU where it is checked against the loop, loop on other devices)
+    experts_impl: str = "auto"
+
+    def validate(self, path: str = "") -> None:
+        p = f"{path}." if path else ""
+        require_positive(self.n_routed_experts, f"{p}n_routed_experts")
+        require(
+            1 <= self.n_activated <= self.n_routed_experts,
+            f"{p}n_activated",
+            f"must be in [1, n_routed_experts={self.n_routed_experts}], got {self.n_activated}",
+        )
+        require(self.moe_ffn_dim >= 0, f"{p}moe_ffn_dim", f"must be >= 0, got {self.moe_ffn_dim}")
+        require(self.n_shared_experts >= 0, f"{p}n_shared_experts", f"must be >= 0, got {self.n_shared_experts}")
+        require_choice(self.score_func, SCORE_FUNCS, f"{p}score_func")
+        require_choice(self.routing, ROUTINGS, f"{p}routing")
+        require_choice(self.experts_impl, EXPERT_IMPLS, f"{p}experts_impl")
+        require_positive(self.routed_scaling_factor, f"{p}routed_scaling_factor")
+        require_positive(self.n_group, f"{p}n_group")
+        require(
+            self.n_routed_experts % self.n_group == 0,
+            f"{p}n_group",
+            f"must divide n_routed_experts={self.n_routed_experts}, got {self.n_group}",
+        )
+        require(
+            1 <= self.topk_group <= self.n_group,
+            f"{p}topk_group",
+            f"must be in [1, n_group={self.n_group}], got {self.topk_group}",
+        )
+        if self.n_group > 1:
+            reachable = self.topk_group * (self.n_routed_experts // self.n_group)
+            require(
+                self.n_activated <= reachable,
+                f"{p}topk_group",
+                f"topk_group={self.topk_group} groups hold {reachable} experts, fewer than n_activated={self.n_activated}",
+            )
+        require(self.bias_update_speed >= 0, f"{p}bias_update_speed", f"must be >= 0, got {self.bias_update_speed}")
+        require(self.seq_aux_loss_coef >= 0, f"{p}seq_aux_loss_coef", f"must be >= 0, got {self.seq_aux_loss_coef}")
+
+    def build(self, *, dim: int, hidden_dim: int, init_std: float = 0.02, out_init_std: float | None = None) -> "MoE":
+        """``hidden_dim`` is the model's dense ffn size (used only when moe_ffn_dim is 0).
+
+        ``init_std`` / ``out_init_std`` set the normal init of the expert input and output
+        projections; the transformer does not pass them yet, so they default to 0.02 (both).
+        """
+        self.validate()
+        return MoE(self, dim, self.moe_ffn_dim or hidden_dim, init_std, out_init_std)
+
+
+def _resolve_impl(impl: str, device: torch.device) -> str:
+    if impl != "auto":
+        return impl
+    return "grouped_mm" if device.type == "cpu" and hasattr(torch, "_grouped_mm") else "loop"
+
+
+def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
+    # torch._grouped_mm's backward rejects stride-0 (expanded) grads, e.g. from a plain .sum().
+    if t.requires_grad:
+        t.register_hook(lambda g: g.contiguous())
+    return t
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights: ``w1, w3 [E, F, D]`` and ``w2 [E, D, F]`` (Linear layout)."""
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int, impl: str = "auto",
+                 init_std: float = 0.02, out_init_std: float | None = None) -> None:
+        super().__init__()
+        self.n_experts, self.dim, self.hidden_dim, self.impl = n_experts, dim, hidden_dim, impl
+        self.init_std = init_std
+        self.out_init_std = init_std if out_init_std is None else out_init_std
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.w1, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.w3, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.w2, mean=0.0, std=self.out_init_std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x [N, D]`` sorted by expert, ``counts [E]`` tokens per expert -> ``[N, D]``."""
+        if _resolve_impl(self.impl, x.device) == "grouped_mm":
+            return self._grouped_mm(x, counts)
+        return self._loop(x, counts)
+
+    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if torch.is_autocast_enabled(x.device.type):  # _grouped_mm is not on autocast's cast lists
+            dtype = torch.get_autocast_dtype(x.device.type)
+        offs = counts.cumsum(0).to(torch.int32)
+        x = x.to(dtype)
+        w1, w2, w3 = (w.to(dtype) for w in (self.w1, self.w2, self.w3))
+        gate = _contiguous_grad(torch._grouped_mm(x, w1.mT, offs=offs))
+        up = _contiguous_grad(torch._grouped_mm(x, w3.mT, offs=offs))
+        return _contiguous_grad(torch._grouped_mm(F.silu(gate) * up, w2.mT, offs=offs))
+
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, chunk in enumerate(x.split(counts.tolist())):
+            if chunk.shape[0]:
+                outs.append(F.linear(F.silu(F.linear(chunk, self.w1[e])) * F.linear(chunk, self.w3[e]), self.w2[e]))
+        return torch.cat(outs) if outs else x.new_zeros(0, self.dim)
+
+
+class MoE(nn.Module):
+    """Routed experts (+ shared experts) over ``[..., D]`` tokens; see the module docstring."""
+
+    def __init__(self, config: MoEConfig, dim: int, hidden_dim: int,
+                 init_std: float = 0.02, out_init_std: float | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.n_experts, self.top_k = config.n_routed_experts, config.n_activated
+        #: read by the run manifest: "learned" or "forced_balanced"
+        self.routing_mode = config.routing
+        self.gate = nn.Linear(dim, self.n_experts, bias=False)
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
+        self.experts = GroupedExperts(self.n_experts, dim, hidden_dim, config.experts_impl, init_std, out_init_std)
+        self.shared_experts = (
+            SwiGLU(dim, hidden_dim * config.n_shared_experts) if config.n_shared_experts else None
+        )
+        self._losses: dict[str, torch.Tensor] = {}
+        self._stats: torch.Tensor | None = None
+
+    def reset_parameters(self) -> None:
+        """Zero the selection bias (gate, experts and shared experts initialise themselves)."""
+        nn.init.zeros_(self.e_score_correction_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        n_tokens, cfg = flat.shape[0], self.config
+        with torch.autocast(x.device.type, enabled=False):  # routing in fp32, as DeepSeek-V3 does
+            logits = F.linear(flat.float(), self.gate.weight.float())
+        if cfg.routing == "forced_balanced":
+            indices = forced_balanced_indices(n_tokens, self.top_k, self.n_experts, flat.device)
+            weights = torch.full(indices.shape, 1.0 / self.top_k, device=flat.device)
+            scores = None
+        else:
+            weights, indices, scores = route(
+                logits, top_k=self.top_k, score_func=cfg.score_func, norm_topk_prob=cfg.norm_topk_prob,
+                routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
+                topk_group=cfg.topk_group, bias=self.e_score_correction_bias,
+            )
+        flat_idx = indices.reshape(-1)
+        counts = torch.bincount(flat_idx, minlength=self.n_experts)
+        order = flat_idx.argsort(stable=True)
+        token = order // self.top_k
+        routed = self.experts(flat[token], counts)
+        routed = routed * weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
+        out = torch.zeros_like(flat).index_add_(0, token, routed.to(flat.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        self._record(counts, scores, indices, shape)
+        return out.view(shape)
+
+    def _record(self, counts: torch.Tensor, scores: torch.Tensor | None, indices: torch.Tensor,
+                shape: torch.Size) -> None:
+        cfg = self.config
+        self._stats = load_stats(counts).detach()
+        self._losses = {}
+        if scores is None or not self.training:
+            return
+        if cfg.seq_aux_loss_coef > 0:
+            seq = shape[-2] if len(shape) >= 3 else shape[0]
+            b = scores.shape[0] // seq
+            loss = sequence_balance_loss(scores.view(b, seq, -1), indices.view(b, seq, -1), self.n_experts, self.top_k)
+            self._losses["seq_aux_loss"] = cfg.seq_aux_loss_coef * loss
+        if cfg.bias_update_speed > 0:
+            balance_bias_update(self.e_score_correction_bias, counts, cfg.bias_update_speed)
+
+    def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """Losses (``seq_aux_loss``, already weighted, when enabled in training) and metrics of the
+        last forward: ``load_min`` / ``load_max`` (token assignments per expert, k per token),
+        ``load_cv`` (std/mean of those; 0 = balanced), ``dropped_tokens`` (always 0: dropless), and
+        ``bias_absmax`` (largest selection bias) when aux-loss-free balancing is on. Clears them."""
+        if self._stats is None:
+            return {}, {}
+        lo, hi, cv = self._stats.tolist()
+        metrics = {"load_min": lo, "load_max": hi, "load_cv": cv, "dropped_tokens": 0.0}
+        if self.config.bias_update_speed > 0:
+            metrics["bias_absmax"] = float(self.e_score_correction_bias.abs().max())
+        losses, self._losses, self._stats = self._losses, {}, None
+        return losses, metrics
+
+    def active_matmul_params(self) -> int:
+        """Matmul parameters one token uses (gate, k routed experts, shared experts): the MoE
+        analogue of a dense layer's parameter count for 6N FLOP estimates."""
+        per_expert = self.experts.w1[0].numel() * 3
+        shared = sum(p.numel() for p in self.shared_experts.parameters()) if self.shared_experts else 0
+        return self.gate.weight.numel() + self.top_k * per_expert + shared

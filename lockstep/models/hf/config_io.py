@@ -1,0 +1,102 @@
+"""TransformerConfig <-> plain dict (JSON), the inverse of ``lockstep.config.base.to_dict``.
+
+``to_dict`` writes each config as a dict with its class name under ``_type``. ``config_from_dict``
+rebuilds the tree by the declared type of every field: a nested config is rebuilt as the class
+its ``_type`` names (which must be the field's declared class or a subclass of it, so a
+``feed_forward`` dict may name any ``FeedForwardConfig`` kind), lists of configs element by element.
+Unknown fields and unknown ``_type`` names raise :class:`ConfigError` naming the path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from lockstep.config.base import Config, ConfigError, to_dict
+from lockstep.models.common.transformer import TransformerConfig
+
+__all__ = ["config_from_dict", "config_to_dict"]
+
+
+def config_to_dict(config: Config) -> dict[str, Any]:
+    """A JSON-ready dict of ``config`` (with ``_type`` keys), readable by ``config_from_dict``."""
+    return to_dict(config)
+
+
+def config_from_dict(data: dict[str, Any], cls: type[Config] = TransformerConfig, path: str = "model") -> Any:
+    """Rebuild a config of (a subclass of) ``cls`` from ``data`` as written by ``to_dict``."""
+    _load_known_kinds()
+    return _build(cls, data, path)
+
+
+def _load_known_kinds() -> None:
+    # Importing the family packages imports every component config they use, so subclasses
+    # defined there (e.g. a mixture-of-experts feed-forward) are found by name.
+    from lockstep.models.registry import model_families
+
+    model_families()
+
+
+def _subclasses(cls: type) -> list[type]:
+    found, todo = [], [cls]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(current.__subclasses__())
+    return found
+
+
+def _resolve_class(declared: type, type_name: str | None, path: str) -> type:
+    if type_name is None or type_name == declared.__name__:
+        return declared
+    candidates = [c for c in _subclasses(declared) if c.__name__ == type_name and dataclasses.is_dataclass(c)]
+    if not candidates:
+        known = sorted({c.__name__ for c in _subclasses(declared) if dataclasses.is_dataclass(c)})
+        raise ConfigError(
+            f"{path}._type: unknown config class {type_name!r} for a {declared.__name__} field; "
+            f"known: {known}"
+        )
+    return candidates[0]
+
+
+def _build(declared: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a dict for {declared.__name__}, got {type(data).__name__}")
+    cls = _resolve_class(declared, data.get("_type"), path)
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(k for k in data if k != "_type" and k not in fields)
+    if unknown:
+        raise ConfigError(f"{path}: {cls.__name__} has no field(s) {unknown}; fields are {sorted(fields)}")
+    kwargs = {name: _value(hints[name], data[name], f"{path}.{name}") for name in fields if name in data}
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # a required field is missing
+        raise ConfigError(f"{path}: cannot build {cls.__name__}: {err}") from None
+
+
+def _value(hint: Any, value: Any, path: str) -> Any:
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(options) == 1:
+            return _value(options[0], value, path)
+        return value
+    if origin in (list, tuple):
+        args = typing.get_args(hint)
+        item = args[0] if args else Any
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__}")
+        items = [_value(item, v, f"{path}.{i}") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+        return _build(hint, value, path)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, bool, str) and not isinstance(value, hint):
+        raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")
+    return value
