@@ -201,7 +201,9 @@ class MoE(nn.Module):
             logits = F.linear(flat.float(), self.gate.weight.float())
         if cfg.routing == "forced_balanced":
             indices = forced_balanced_indices(n_tokens, self.top_k, self.n_experts, flat.device)
-            weights = torch.full(indices.shape, 1.0 / self.top_k, device=flat.device)
+            # Uniform 1/k weights; the gate still runs and joins the graph with a zero gradient, so
+            # the benchmark pays the router's cost and no parameter is left unused (DDP/FSDP).
+            weights = torch.full(indices.shape, 1.0 / self.top_k, device=flat.device) + 0.0 * logits.sum()
             scores = None
         else:
             weights, indices, scores = route(
