@@ -153,7 +153,7 @@ class Trainer:
             with self.timer.stage("backward"):
                 loss.backward()
             total_loss += float(main.detach()) / cfg.grad_accum
-            for name, value in [*((f"aux_loss/{k}", float(v)) for k, v in aux_losses.items()),
+            for name, value in [*((f"aux_loss/{k}", float(v.detach())) for k, v in aux_losses.items()),
                                 *aux_metrics.items()]:
                 extra[name] = extra.get(name, 0.0) + value / cfg.grad_accum
         with self.timer.stage("optimizer"):

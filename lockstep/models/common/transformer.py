@@ -184,13 +184,16 @@ class Transformer(nn.Module):
         depth_std = std / math.sqrt(2 * self.config.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                is_residual_out = name.endswith(("attention.wo", "feed_forward.w2"))
+                # projections back into the residual stream (attention out, any MLP's down proj)
+                is_residual_out = name.endswith((".wo", ".w2"))
                 nn.init.normal_(module.weight, mean=0.0, std=depth_std if is_residual_out else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif hasattr(module, "reset_parameters") and not isinstance(module, (Transformer,)):
+                if hasattr(module, "out_init_std"):  # stacked experts: same scheme as Linear layers
+                    module.init_std, module.out_init_std = std, depth_std
                 module.reset_parameters()
 
     def num_params(self, exclude_embedding: bool = False) -> int:
@@ -208,6 +211,9 @@ class Transformer(nn.Module):
         matmul_params = self.num_params(exclude_embedding=True)
         if self.config.tie_embeddings:
             matmul_params += self.output.weight.numel()
+        for module in self.modules():  # sparse layers (MoE) count only what one token uses
+            if hasattr(module, "active_matmul_params"):
+                matmul_params += module.active_matmul_params() - sum(p.numel() for p in module.parameters())
         norm_params = sum(p.numel() for n, p in self.named_parameters() if "norm" in n)
         attn = 6 * self.config.n_layers * self.config.n_heads * self.config.resolved_head_dim * seq_len
         return 6 * (matmul_params - norm_params) + attn

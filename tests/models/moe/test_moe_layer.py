@@ -221,7 +221,10 @@ def test_meta_build_initialises_experts_and_bias():
     for (name, pa), pb in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(pa, pb), name
     ff = a.layers["0"].feed_forward
-    for w in (ff.experts.w1, ff.experts.w2, ff.experts.w3, ff.gate.weight):
+    for w in (ff.experts.w1, ff.experts.w3, ff.gate.weight):
         assert abs(w.std().item() - 0.02) < 0.002
         assert abs(w.mean().item()) < 0.002
+    # expert down projections write into the residual stream: depth-scaled like dense w2
+    depth_std = 0.02 / (2 * cfg.n_layers) ** 0.5
+    assert abs(ff.experts.w2.std().item() - depth_std) < 0.001
     assert torch.equal(ff.e_score_correction_bias, torch.zeros(16))
