@@ -28,6 +28,8 @@ def _train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--override", action="append", default=[], metavar="PATTERN=KIND[,f=v...]",
                         help="replace the config of modules matching a glob, e.g. "
                         "'layers.*.attention=attention,backend=reference'")
+    parser.add_argument("--nproc", type=int, default=1,
+                        help="run as N local torchrun workers (gloo on CPU, NCCL on GPU)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--help-fields", action="store_true", help="list every config field flag and exit")
     parser.add_argument("-h", "--help", action="store_true")
@@ -112,10 +114,17 @@ def cmd_train(argv: list[str]) -> int:
     if args.print_config:
         print(json.dumps(to_dict(config), indent=2))
         return 0
+    from lockstep.parallel.launch import finish, relaunch_with_torchrun, world_size_from_env
+
+    if args.nproc > 1 and world_size_from_env() == 1:
+        return relaunch_with_torchrun(args.nproc, ["train", *_without_nproc(argv)])
     from lockstep.train.trainer import Trainer
 
     trainer = Trainer(config)
     result = trainer.fit()
+    if not trainer.runtime.is_main:
+        finish(0)
+        return 0
     first, last = result.val_losses.get(0), result.val_losses.get(max(result.val_losses, default=0))
     print(f"\nrun directory: {result.run_dir}")
     if result.losses:
@@ -124,7 +133,20 @@ def cmd_train(argv: list[str]) -> int:
         print(f"validation loss: {first:.4f} -> {last:.4f}")
     if result.sample:
         print(f"sample (greedy):\n{result.sample}")
+    finish(0)
     return 0
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, arg in enumerate(argv):
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
 
 
 def cmd_recipes(argv: list[str]) -> int:

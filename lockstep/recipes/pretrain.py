@@ -52,3 +52,17 @@ def shakespeare_small() -> TrainerConfig:
     cfg.optimizer = AdamWConfig(lr=1e-3)
     cfg.lr_schedule = LRScheduleConfig(kind="wsd", warmup_steps=100, decay_fraction=0.2)
     return cfg
+
+
+@recipe("debug-qwen3", "tiny qwen3 (q/k norm, tied embeddings) on Shakespeare: seconds per run, for tests")
+def debug_qwen3() -> TrainerConfig:
+    cfg = debug()
+    cfg.model = model_config("qwen3", "debug")
+    return cfg
+
+
+@recipe("debug-moe", "tiny qwen3_moe (routed experts) on Shakespeare: seconds per run, for tests")
+def debug_moe() -> TrainerConfig:
+    cfg = debug()
+    cfg.model = model_config("qwen3_moe", "debug")
+    return cfg

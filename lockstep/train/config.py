@@ -7,6 +7,7 @@ import dataclasses
 from lockstep.config.base import Config, require, require_choice, require_positive
 from lockstep.data.config import DataConfig
 from lockstep.models.common.transformer import TransformerConfig
+from lockstep.parallel.dims import ParallelConfig
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
 DTYPES = ["float32", "bfloat16"]
@@ -16,7 +17,7 @@ DTYPES = ["float32", "bfloat16"]
 class TrainingConfig(Config):
     """Batch shape, precision, clipping and accumulation."""
 
-    #: sequences per micro-batch
+    #: sequences per micro-batch, summed over data-parallel ranks (each rank takes batch_size / dp)
     batch_size: int = 8
     #: tokens per sequence
     seq_len: int = 256
@@ -92,6 +93,8 @@ class TrainerConfig(Config):
     validation: ValidationConfig = dataclasses.field(default_factory=ValidationConfig)
     #: console and output files
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
+    #: parallel layout across processes (torchrun); all 1 = one process
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     #: names of the model-config transforms that were applied, in order (recorded, not re-applied)
     transforms: list[str] = dataclasses.field(default_factory=list)
 
@@ -115,3 +118,4 @@ class TrainerConfig(Config):
         self.training.validate("training")
         self.validation.validate("validation")
         self.output.validate("output")
+        self.parallel.validate("parallel")

@@ -21,7 +21,10 @@ def greedy_continue(model: nn.Module, prompt_ids: list[int], max_new_tokens: int
     generated: list[int] = []
     for _ in range(max_new_tokens):
         window = torch.tensor([ids[-max_seq_len:]], dtype=torch.long)
-        next_id = int(model(window)[0, -1].argmax())
+        logits = model(window)
+        if hasattr(logits, "full_tensor"):  # vocabulary-sharded logits under tensor parallel
+            logits = logits.full_tensor()
+        next_id = int(logits[0, -1].argmax())
         if stop_id is not None and next_id == stop_id:
             break
         ids.append(next_id)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 
 from lockstep.config.base import ConfigError, to_dict
 from lockstep.data.config import DataBundle
@@ -34,6 +34,8 @@ from lockstep.observe import (
     peak_rss_bytes,
     plot_loss,
 )
+from lockstep.parallel.grad import clip_grad_norm
+from lockstep.parallel.runtime import ParallelRuntime
 from lockstep.train.config import TrainerConfig
 from lockstep.train.sample import greedy_continue
 
@@ -63,6 +65,14 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def save_weights(state: dict[str, torch.Tensor], path: Path, tied: bool) -> None:
+    """Write a state dict as safetensors (a tied head is stored once, under the embedding)."""
+    state = {k: v.detach().contiguous() for k, v in state.items()}
+    if tied:
+        state.pop("output.weight", None)
+    save_file(state, str(path))
+
+
 class Trainer:
     """Builds every component from a ``TrainerConfig`` and runs the loop."""
 
@@ -73,25 +83,39 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         seed_everything(config.seed)
+        self.runtime = ParallelRuntime.create(config.parallel)
+        dp = self.runtime.dims.dp
+        if cfg.batch_size % dp:
+            raise ConfigError(f"training.batch_size: {cfg.batch_size} is not divisible by the {dp} "
+                              "data-parallel ranks")
         self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.recipe)
         if (self.run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"run_dir: {self.run_dir} already holds a run (metrics.jsonl); choose another")
+        self._barrier()  # nobody creates the run dir before every rank has checked it was free
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.data: DataBundle = config.data.build(seq_len=cfg.seq_len, batch_size=cfg.batch_size, seed=config.seed)
+        self.data: DataBundle = config.data.build(seq_len=cfg.seq_len, batch_size=cfg.batch_size // dp,
+                                                  seed=config.seed, rank=self.runtime.dp_rank, world_size=dp)
         if self.data.tokenizer.vocab_size > config.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size: {config.model.vocab_size} is smaller than the tokenizer's "
                 f"{self.data.tokenizer.vocab_size} tokens"
             )
-        self.model: Transformer = build_model(config.model, seed=config.seed)
+        # Every rank materialises the same seeded weights, then the plan shards them: a layout
+        # starts from exactly the single-process initial weights.
+        model = build_model(config.model, seed=config.seed)
+        self.flops_per_token = model.flops_per_token(cfg.seq_len)
+        self.model: Transformer = self.runtime.parallelize(model, config.parallel)
         self.optimizer = config.optimizer.build(self.model)
         self.lr_at = config.lr_schedule.build(peak_lr=config.optimizer.lr, total_steps=config.steps)
         self.dtype = DTYPE[cfg.dtype]
-        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
-        self.flops_per_token = self.model.flops_per_token(cfg.seq_len)
+        self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum  # global, all ranks
         self.peak = peak_matmul_record(self.dtype, torch.get_num_threads())
         self.timer = StageTimer()
-        self.manifest = self._manifest()
+        self.manifest = self._manifest() if self.runtime.is_main else None
+
+    def _barrier(self) -> None:
+        if self.runtime.distributed:
+            torch.distributed.barrier()
 
     def _manifest(self) -> RunManifest:
         model = self.model
@@ -127,6 +151,7 @@ class Trainer:
                 "val_tokens": self.data.val_tokens,
             },
             transforms=list(self.config.transforms),
+            parallel=self.runtime.describe(),
         )
         manifest.write()
         return manifest
@@ -146,19 +171,20 @@ class Trainer:
         for _ in range(cfg.grad_accum):
             with self.timer.stage("data"):
                 inputs, targets = next(batches)
-            with self.timer.stage("forward"), self._autocast():
-                main = lm_loss(self.model(inputs), targets)
-                aux_losses, aux_metrics = self.model.pop_auxiliary()
-                loss = (main + sum(aux_losses.values())) / cfg.grad_accum
-            with self.timer.stage("backward"):
-                loss.backward()
-            total_loss += float(main.detach()) / cfg.grad_accum
+            with self.runtime.loss_context():
+                with self.timer.stage("forward"), self._autocast():
+                    main = lm_loss(self.model(inputs), targets)
+                    aux_losses, aux_metrics = self.model.pop_auxiliary()
+                    loss = (main + sum(aux_losses.values())) / cfg.grad_accum
+                with self.timer.stage("backward"):
+                    loss.backward()
+            total_loss += self.runtime.mean_over_dp(main.detach()) / cfg.grad_accum
             for name, value in [*((f"aux_loss/{k}", float(v.detach())) for k, v in aux_losses.items()),
                                 *aux_metrics.items()]:
                 extra[name] = extra.get(name, 0.0) + value / cfg.grad_accum
         with self.timer.stage("optimizer"):
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm, foreach=True))
+            grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return {"loss": total_loss, "lr": lr, "grad_norm": grad_norm, **extra}
@@ -171,8 +197,8 @@ class Trainer:
         for i, (inputs, targets) in enumerate(self.data.val.iter_epoch()):
             if limit is not None and i >= limit:
                 break
-            with self._autocast():
-                losses.append(float(lm_loss(self.model(inputs), targets)))
+            with self.runtime.loss_context(), self._autocast():
+                losses.append(self.runtime.mean_over_dp(lm_loss(self.model(inputs), targets).detach()))
         self.model.train()
         return sum(losses) / max(len(losses), 1)
 
@@ -181,11 +207,15 @@ class Trainer:
         batches = iter(self.data.train)
         losses: list[float] = []
         val_losses: dict[int, float] = {}
-        bar = ProgressBar(steps, desc=cfg.recipe, enabled=cfg.output.progress)
+        main = self.runtime.is_main
+        bar = ProgressBar(steps, desc=cfg.recipe, enabled=cfg.output.progress and main)
         initial_val = self.evaluate() if cfg.validation.every else None
         if initial_val is not None:
             val_losses[0] = initial_val
-        with MetricsWriter(self.run_dir / "metrics.jsonl") as writer:
+        # rank 0 writes the run's metrics; other ranks keep their own log beside it
+        log_path = self.run_dir / ("metrics.jsonl" if main else f"logs/rank{self.runtime.rank}.jsonl")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with MetricsWriter(log_path) as writer:
             if initial_val is not None:
                 writer.write({"step": 0, "val_loss": initial_val})
             self.model.train()
@@ -215,21 +245,28 @@ class Trainer:
     def _finish(self, losses: list[float], val_losses: dict[int, float]) -> TrainResult:
         from lockstep.observe import read_metrics
 
-        records = read_metrics(self.run_dir / "metrics.jsonl")
-        plot_loss([r for r in records if "loss" in r], self.run_dir / "loss.png",
-                  val_metrics=[r for r in records if "val_loss" in r])
+        main = self.runtime.is_main
         out = self.config.output
+        if main:
+            records = read_metrics(self.run_dir / "metrics.jsonl")
+            plot_loss([r for r in records if "loss" in r], self.run_dir / "loss.png",
+                      val_metrics=[r for r in records if "val_loss" in r])
         if out.save_weights:
-            save_model(self.model, str(self.run_dir / "model.safetensors"))
-            shutil.copyfile(self.config.data.resolved_tokenizer_path(), self.run_dir / "tokenizer.json")
+            state = self.runtime.full_state_dict(self.model)  # collective
+            if main:
+                save_weights(state, self.run_dir / "model.safetensors", self.config.model.tie_embeddings)
+                shutil.copyfile(self.config.data.resolved_tokenizer_path(), self.run_dir / "tokenizer.json")
         sample = None
-        if out.sample_tokens:
+        # Sequence-parallel TP needs lengths divisible by tp; the quick full-prefix sampler does not pad.
+        if out.sample_tokens and self.runtime.dims.tp == 1:
             tok = self.data.tokenizer
             ids = greedy_continue(self.model, tok.encode(out.sample_prompt), out.sample_tokens,
                                   self.config.training.seq_len, stop_id=tok.eos_id)
             sample = out.sample_prompt + tok.decode(ids)
         first_val = val_losses.get(0)
         last_val = val_losses[max(val_losses)] if val_losses else None
+        if not main:
+            return TrainResult(self.run_dir, losses, val_losses, sample)
         self.manifest.update(result={
             "steps": len(losses),
             "final_loss": losses[-1] if losses else None,

@@ -64,9 +64,10 @@ class GroupedQueryAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

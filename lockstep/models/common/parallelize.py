@@ -1,0 +1,66 @@
+"""The parallelize plan of the dense decoder (llama3, qwen3): TP/SP layout and FSDP units.
+
+Kept beside the model but outside its code: the model never sees a mesh. TP follows the Megatron
+split (q/k/v and w1/w3 column-wise, wo and w2 row-wise) with sequence parallel norms between, the
+embedding output sharded on the sequence, and the head's logits left sharded on the vocabulary for
+loss-parallel cross-entropy.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lockstep.parallel.dims import ParallelConfig, ParallelDims
+from lockstep.parallel.fsdp import apply_fsdp, dp_mesh
+
+
+def apply_dense_tp(model: nn.Module, tp_mesh) -> None:
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    })
+    for block in model.layers.values():
+        plan = {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+        if block.attention.q_norm is not None:
+            # q/k norms act per head on [B, T, heads, D]: heads are sharded, the weight is shared,
+            # so treat the head dim like a sequence dim (replicated weight, reduced gradient).
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        parallelize_module(block, tp_mesh, plan)
+    # Both the embedding (row-wise) and the head (column-wise) shard the vocabulary dim, so a tied
+    # pair stays one parameter: re-tie, since each parallelize call made its own DTensor.
+    if model.config.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+
+
+def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: ParallelConfig) -> nn.Module:
+    """Apply TP (if tp > 1) then FSDP2 (if dp > 1) in place and return the model."""
+    cfg = model.config
+    dims.check_model(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size)
+    if dims.tp > 1:
+        apply_dense_tp(model, mesh["tp"])
+    if dims.dp > 1:
+        apply_fsdp(model, list(model.layers.values()), dp_mesh(mesh), config.fsdp_param_dtype,
+                   config.reshard_after_forward)
+    return model

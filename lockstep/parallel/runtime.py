@@ -1,0 +1,89 @@
+"""What a trainer needs to know about its place in a distributed job, in one object.
+
+``ParallelRuntime.create(config)`` initialises the process group (when launched by torchrun),
+resolves the degrees and builds the mesh; then it parallelizes a model with its family's plan,
+averages scalars over data-parallel ranks, and gathers full state dicts for rank 0 to write.
+A single process gets the same object with world 1 and does nothing extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lockstep.parallel.dims import ParallelConfig, ParallelDims
+from lockstep.parallel.launch import init_distributed
+
+
+@dataclasses.dataclass
+class ParallelRuntime:
+    rank: int
+    world_size: int
+    device_type: str
+    dims: ParallelDims
+    mesh: object | None
+    dp_rank: int
+
+    @classmethod
+    def create(cls, config: ParallelConfig) -> "ParallelRuntime":
+        rank, world, device_type = init_distributed()
+        dims = config.resolve(world)
+        mesh = dims.build_mesh(device_type)
+        return cls(rank, world, device_type, dims, mesh, dims.dp_rank(mesh))
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def parallelize(self, model: nn.Module, config: ParallelConfig) -> nn.Module:
+        if not self.distributed:
+            return model
+        from lockstep.models.common.parallelize import parallelize_dense
+
+        return parallelize_dense(model, self.dims, self.mesh, config)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Cross-entropy over vocabulary-sharded logits when tensor parallel."""
+        if self.dims.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def mean_over_dp(self, value: torch.Tensor | float) -> float:
+        """Average a per-rank scalar over all ranks (TP ranks hold equal copies, so this is the dp mean)."""
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        if not self.distributed:
+            return float(value)
+        t = torch.as_tensor(value, dtype=torch.float64).detach().clone()
+        dist.all_reduce(t)
+        return float(t) / self.world_size
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Unsharded parameters on CPU (collective: every rank must call it)."""
+        if not self.distributed:
+            return model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def describe(self) -> dict:
+        return {
+            "world_size": self.world_size,
+            "device": self.device_type,
+            "backend": dist.get_backend() if dist.is_initialized() else None,
+            "degrees": {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard, "tp": self.dims.tp},
+            "mesh": [list(n) for n in self.dims.mesh_dims],
+            "fsdp_units": "each transformer block + root" if self.dims.dp > 1 else None,
+            "tp_plan": "megatron col/row + sequence-parallel norms + loss-parallel head" if self.dims.tp > 1 else None,
+        }

@@ -1,0 +1,33 @@
+"""ParallelDims: degrees resolve against the world size; errors name the offending degree."""
+
+import pytest
+
+from lockstep.config.base import ConfigError
+from lockstep.parallel.dims import ParallelConfig
+
+
+def test_auto_dp_shard_takes_the_remaining_ranks():
+    dims = ParallelConfig(tp=2).resolve(8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp) == (1, 4, 2, 4)
+    assert dims.mesh_dims == [("dp_shard", 4), ("tp", 2)]
+    assert ParallelConfig().resolve(1).mesh_dims == []
+
+
+def test_product_must_equal_world():
+    with pytest.raises(ConfigError, match=r"dp_replicate=1 x dp_shard=3 x tp=1 = 3, but the world size is 4"):
+        ParallelConfig(dp_shard=3).resolve(4)
+    with pytest.raises(ConfigError, match=r"tp=3 = 3 does not divide the world size 4"):
+        ParallelConfig(tp=3).resolve(4)
+
+
+def test_tp_must_divide_heads_and_ffn():
+    dims = ParallelConfig(tp=4).resolve(4)
+    with pytest.raises(ConfigError, match=r"parallel.tp: 4 does not divide model.n_kv_heads=2"):
+        dims.check_model(n_heads=8, n_kv_heads=2, ffn_dim=64, vocab_size=128)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"tp": 0}, "parallel.tp"), ({"dp_shard": 0}, "parallel.dp_shard"),
+                                           ({"reshard_after_forward": "sometimes"}, "parallel.reshard_after_forward")])
+def test_validation_names_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        ParallelConfig(**kwargs).validate()
