@@ -66,19 +66,23 @@ class MLAConfig(AttentionConfig):
     def validate(self, path: str = "") -> None:
         require_choice(self.backend, attention_backends(), f"{path}.backend")
         require(not self.qk_norm, f"{path}.qk_norm", "is not supported by MLA (its latents are normalised)")
-        require(self.q_lora_rank >= 0, f"{path}.q_lora_rank", f"must be >= 0 (0 = no q compression), got {self.q_lora_rank}")
+        require(self.q_lora_rank >= 0, f"{path}.q_lora_rank",
+                f"must be >= 0 (0 = no q compression), got {self.q_lora_rank}")
         for name in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim", "latent_norm_eps"):
             require_positive(getattr(self, name), f"{path}.{name}")
         require(self.qk_nope_head_dim >= 0, f"{path}.qk_nope_head_dim", f"must be >= 0, got {self.qk_nope_head_dim}")
-        require(self.qk_rope_head_dim % 2 == 0, f"{path}.qk_rope_head_dim", f"must be even, got {self.qk_rope_head_dim}")
-        require(self.softmax_mscale >= 0, f"{path}.softmax_mscale", f"must be >= 0 (0 = from rope), got {self.softmax_mscale}")
+        require(self.qk_rope_head_dim % 2 == 0, f"{path}.qk_rope_head_dim",
+                f"must be even, got {self.qk_rope_head_dim}")
+        require(self.softmax_mscale >= 0, f"{path}.softmax_mscale",
+                f"must be >= 0 (0 = from rope), got {self.softmax_mscale}")
 
     def build(
         self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float
     ) -> "MultiHeadLatentAttention":
         # head_dim is the rope table width the model built; MLA's own head sizes come from this config.
         if n_kv_heads != n_heads:
-            raise ValueError(f"MLA expands keys/values for every head: n_kv_heads ({n_kv_heads}) must equal n_heads ({n_heads})")
+            raise ValueError(f"MLA expands keys/values for every head: n_kv_heads ({n_kv_heads}) "
+                             f"must equal n_heads ({n_heads})")
         if head_dim != self.qk_rope_head_dim:
             raise ValueError(
                 f"MLA needs rope tables of qk_rope_head_dim={self.qk_rope_head_dim}, the model built {head_dim}"
@@ -119,7 +123,9 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
-        q = q.view(bsz, seq, self.n_heads, self.qk_head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism (wq / wq_b and wkv_b column-wise, wo row-wise) each rank
+        # holds a slice of the heads; the latent projections wq_a / wkv_a stay replicated.
+        q = q.view(bsz, seq, -1, self.qk_head_dim).transpose(1, 2)
         q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
 
         c_kv, k_pe = torch.split(self.wkv_a(x), [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
@@ -129,10 +135,10 @@ class MultiHeadLatentAttention(nn.Module):
         cos, sin = rope
         q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
 
-        kv = self.wkv_b(self.kv_norm(c_kv)).view(bsz, seq, self.n_heads, self.qk_nope_head_dim + self.v_head_dim)
+        kv = self.wkv_b(self.kv_norm(c_kv)).view(bsz, seq, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = torch.split(kv.transpose(1, 2), [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
 
         q = torch.cat([q_nope, q_pe], dim=-1)
-        k = torch.cat([k_nope, k_pe.expand(-1, self.n_heads, -1, -1)], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         out = self.backend(q, k, v, causal=True, scale=self.scale)  # [B, H, T, v_head_dim]
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, self.n_heads * self.v_head_dim))
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

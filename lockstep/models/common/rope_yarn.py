@@ -61,7 +61,8 @@ class YarnRopeConfig(RopeConfig):
             require_positive(self.beta_fast, f"{path}.beta_fast")
             require_positive(self.beta_slow, f"{path}.beta_slow")
             for name in ("mscale", "mscale_all_dim", "attention_factor"):
-                require(getattr(self, name) >= 0, f"{path}.{name}", f"must be >= 0 (0 = unset), got {getattr(self, name)}")
+                value = getattr(self, name)
+                require(value >= 0, f"{path}.{name}", f"must be >= 0 (0 = unset), got {value}")
 
     def inverse_frequencies(self, head_dim: int) -> torch.Tensor:
         if self.scaling == "yarn":

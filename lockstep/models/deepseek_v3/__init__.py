@@ -31,7 +31,8 @@ def _debug(flavor: str, q_lora_rank: int):
 
 
 def _deepseek_v3_671b():
-    # deepseek-ai/DeepSeek-V3 config.json: 671B main-model parameters (37B active) + a 1-depth MTP module.
+    # deepseek-ai/DeepSeek-V3 config.json: 671.0B main-model parameters (37.6B active) + a 1-depth MTP module
+    # (11.6B; 13.5B with the checkpoint's copies of the embedding and head).
     # Balancing as in the paper: bias update speed 0.001, sequence-wise aux loss alpha 1e-4, MTP lambda 0.3.
     return _d("671B", vocab_size=129280, dim=7168, n_layers=61, n_heads=128, ffn_dim=18432, max_seq_len=163840,
               q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -43,8 +44,9 @@ def _deepseek_v3_671b():
 
 
 def _kimi_k2():
-    # moonshotai/Kimi-K2-Instruct config.json (model_type kimi_k2, DeepseekV3ForCausalLM): ~1.03T parameters,
-    # 32B active; 384 experts, one expert group, no MTP layer released.
+    # moonshotai/Kimi-K2-Instruct config.json (model_type kimi_k2, DeepseekV3ForCausalLM): 1.026T parameters,
+    # 32.9B active; 384 experts, one expert group, no MTP layer released. (Kimi-K2-Instruct-0905 extends the
+    # context to 256k: YaRN factor 64, max_position_embeddings 262144; load its config.json for that.)
     return _d("kimi_k2", family="deepseek_v3", vocab_size=163840, dim=7168, n_layers=61, n_heads=64,
               ffn_dim=18432, max_seq_len=131072, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
               qk_rope_head_dim=64, v_head_dim=128, n_experts=384, top_k=8, moe_ffn_dim=2048, n_shared_experts=1,
@@ -58,7 +60,8 @@ FLAVORS = {
     "debug": lambda: _debug("debug", q_lora_rank=32),
     # the same without q compression (q = wq(x))
     "debug_noqlora": lambda: _debug("debug_noqlora", q_lora_rank=0),
-    # CPU-trainable (~9M parameters with a 4k vocab, ~5M active): 6 layers, 16 experts top-4, 1 MTP depth
+    # CPU-trainable (14.3M parameters with a 4k vocab, 6.4M active per token, 2.0M in MTP): 6 layers, 16 experts
+    # top-4 in 4 groups (best 2), 1 MTP depth, aux-loss-free balancing + sequence aux loss
     "tiny": lambda: _d("tiny", vocab_size=4096, dim=256, n_layers=6, n_heads=8, ffn_dim=768, max_seq_len=1024,
                        q_lora_rank=128, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
                        n_experts=16, top_k=4, moe_ffn_dim=128, n_shared_experts=1, n_group=4, topk_group=2,

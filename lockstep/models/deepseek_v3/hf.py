@@ -45,8 +45,9 @@ import torch
 
 from lockstep.config.base import ConfigError
 from lockstep.models.common.mla import MLAConfig
+from lockstep.models.common.mlp import SwiGLUConfig
 from lockstep.models.common.moe import MoEConfig
-from lockstep.models.common.rope_yarn import YarnRopeConfig
+from lockstep.models.common.rope_yarn import YarnRopeConfig, softmax_mscale_of
 from lockstep.models.common.transformer import TransformerConfig
 from lockstep.models.deepseek_v3.model import DeepSeekV3Config, deepseek_v3_config
 
@@ -167,8 +168,12 @@ class DeepSeekV3Adapter:
         att, moe = config.attention, config.feed_forward
         if not isinstance(moe, MoEConfig) or moe.score_func != "sigmoid":
             raise ConfigError("model.feed_forward: HF DeepseekV3 needs a sigmoid-scored MoEConfig")
-        if att.softmax_mscale and abs(att.softmax_mscale - config.rope.softmax_mscale()) > 1e-12:
+        if att.softmax_mscale and abs(att.softmax_mscale - softmax_mscale_of(config.rope)) > 1e-12:
             raise ConfigError("model.attention.softmax_mscale: HF derives it from rope_parameters; leave it at 0")
+        if att.latent_norm_eps != 1e-6:
+            raise ConfigError("model.attention.latent_norm_eps: HF DeepseekV3 fixes the latent norms' eps at 1e-6")
+        if not isinstance(config.dense_feed_forward, SwiGLUConfig):
+            raise ConfigError("model.dense_feed_forward: HF DeepseekV3's dense layers are SwiGLU MLPs")
         return {
             "architectures": ["DeepseekV3ForCausalLM"],
             "model_type": "deepseek_v3",
@@ -333,9 +338,11 @@ class DeepSeekV3Adapter:
                 continue
             unknown.append(name)
         if unknown:
-            raise ValueError(f"deepseek_v3: {len(unknown)} lockstep tensors have no HF counterpart: {sorted(unknown)[:20]}")
-        for k in range(n_mtp):  # DeepSeek's MTP layout carries copies of the shared embedding and head
-            prefix = f"model.layers.{n_layers + k}"
-            out[f"{prefix}.embed_tokens.weight"] = state["tok_embeddings.weight"]
-            out[f"{prefix}.shared_head.head.weight"] = state.get("output.weight", state["tok_embeddings.weight"])
+            raise ValueError(f"deepseek_v3: {len(unknown)} lockstep tensors have no HF counterpart: "
+                             f"{sorted(unknown)[:20]}")
+        for k in range(n_mtp):  # DeepSeek's MTP layout carries its own copies of the shared embedding and head
+            prefix = f"model.layers.{n_layers + k}"  # (copies: safetensors refuses tensors sharing storage)
+            out[f"{prefix}.embed_tokens.weight"] = state["tok_embeddings.weight"].clone()
+            head = state.get("output.weight", state["tok_embeddings.weight"])
+            out[f"{prefix}.shared_head.head.weight"] = head.clone()
         return out

@@ -313,4 +313,5 @@ def param_count(config: DeepSeekV3Config) -> dict[str, int]:
             "embedding": emb, "attention_per_layer": attn, "moe_per_layer": total_moe}
 
 
-__all__ = ["DeepSeekV3Config", "deepseek_v3_config", "DeepSeekV3Transformer", "MTPLayer", "param_count", "mla_param_count"]
+__all__ = ["DeepSeekV3Config", "DeepSeekV3Transformer", "MTPLayer", "deepseek_v3_config", "mla_param_count",
+           "param_count"]
