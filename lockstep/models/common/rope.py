@@ -74,6 +74,8 @@ class RotaryEmbedding(nn.Module):
         self.config, self.head_dim, self.max_seq_len = config, head_dim, max_seq_len
         self.register_buffer("cos", torch.empty(max_seq_len, head_dim), persistent=False)
         self.register_buffer("sin", torch.empty(max_seq_len, head_dim), persistent=False)
+        if not self.cos.is_meta:  # tables are not in state dicts: a plain build() must fill them
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         inv_freq = self.config.inverse_frequencies(self.head_dim).to(self.cos.device)

@@ -148,14 +148,23 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, token embeddings, final-normed hidden states): everything but the head.
+
+        Families that add heads (DeepSeek-V3's MTP) build on this instead of copying the loop.
+        """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
         rope = self.rope(positions)
-        h = self.tok_embeddings(tokens)
+        embeddings = self.tok_embeddings(tokens)
+        h = embeddings
         for layer in self.layers.values():
             h = layer(h, rope)
-        return self.output(self.norm(h))
+        return positions, embeddings, self.norm(h)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.output(self.trunk(tokens, positions)[2])
 
     def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Auxiliary losses (already weighted, added to the training loss) and metrics that

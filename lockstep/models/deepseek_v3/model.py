@@ -199,18 +199,8 @@ class DeepSeekV3Transformer(Transformer):
         )
         self._mtp_losses: list[torch.Tensor] = []
 
-    def _trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None):
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
-        rope = self.rope(positions)
-        emb = self.tok_embeddings(tokens)
-        h = emb
-        for layer in self.layers.values():
-            h = layer(h, rope)
-        return positions, emb, self.norm(h)
-
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        positions, emb, h = self._trunk(tokens, positions)
+        positions, emb, h = self.trunk(tokens, positions)
         self._mtp_losses = []
         if self.mtp is not None and self.training and self.config.mtp_loss_weight > 0:
             self._mtp_losses = [
@@ -225,7 +215,7 @@ class DeepSeekV3Transformer(Transformer):
         depth k's row i predicts ``tokens[:, i+k+1]`` from ``tokens[:, :i+k+1]``."""
         if self.mtp is None:
             return []
-        positions, emb, h = self._trunk(tokens, positions)
+        positions, emb, h = self.trunk(tokens, positions)
         return self._mtp_predict(tokens, positions, emb, h)
 
     def _mtp_predict(self, tokens: torch.Tensor, positions: torch.Tensor, emb: torch.Tensor,
