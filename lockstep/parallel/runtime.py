@@ -44,12 +44,11 @@ class ParallelRuntime:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def parallelize(self, model: nn.Module, config: ParallelConfig) -> nn.Module:
-        if not self.distributed:
-            return model
+    def parallelize(self, model: nn.Module, config: ParallelConfig, activation_checkpoint: str = "none") -> nn.Module:
+        """The model's plan applied for this layout (one process: activation checkpointing only)."""
         from lockstep.models.common.parallelize import parallelize_dense
 
-        return parallelize_dense(model, self.dims, self.mesh, config)
+        return parallelize_dense(model, self.dims, self.mesh, config, activation_checkpoint)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Cross-entropy over vocabulary-sharded logits when tensor parallel."""

@@ -29,6 +29,8 @@ class TrainingConfig(Config):
     dtype: str = "float32"
     #: torch intra-op threads; 0 keeps torch's default
     threads: int = 0
+    #: activation checkpointing per block: "none", "full" or "selective" (keep matmul/attention outputs)
+    activation_checkpoint: str = "none"
 
     def validate(self, path: str = "training") -> None:
         require_positive(self.batch_size, f"{path}.batch_size")
@@ -37,6 +39,7 @@ class TrainingConfig(Config):
         require(self.max_grad_norm >= 0, f"{path}.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         require_choice(self.dtype, DTYPES, f"{path}.dtype")
         require(self.threads >= 0, f"{path}.threads", f"must be >= 0, got {self.threads}")
+        require_choice(self.activation_checkpoint, ["none", "full", "selective"], f"{path}.activation_checkpoint")
 
 
 @dataclasses.dataclass(kw_only=True)

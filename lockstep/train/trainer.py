@@ -104,7 +104,7 @@ class Trainer:
         # starts from exactly the single-process initial weights.
         model = build_model(config.model, seed=config.seed)
         self.flops_per_token = model.flops_per_token(cfg.seq_len)
-        self.model: Transformer = self.runtime.parallelize(model, config.parallel)
+        self.model: Transformer = self.runtime.parallelize(model, config.parallel, cfg.activation_checkpoint)
         self.optimizer = config.optimizer.build(self.model)
         self.lr_at = config.lr_schedule.build(peak_lr=config.optimizer.lr, total_steps=config.steps)
         self.dtype = DTYPE[cfg.dtype]

@@ -89,3 +89,14 @@ def test_trainer_validates_before_work(tmp_path):
     with pytest.raises(ConfigError, match="training.seq_len: must be <= model.max_seq_len"):
         Trainer(cfg)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_keeps_losses_bitwise(tmp_path, mode):
+    base = Trainer(_debug(tmp_path, "none", steps=3)).fit()
+    cfg = _debug(tmp_path, mode, steps=3)
+    cfg.training = dataclasses.replace(cfg.training, activation_checkpoint=mode)
+    result = Trainer(cfg).fit()
+    assert result.losses == base.losses
+    names = set(load_file(str(result.run_dir / "model.safetensors")))
+    assert names == set(load_file(str(base.run_dir / "model.safetensors")))

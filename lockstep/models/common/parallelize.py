@@ -18,6 +18,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.fsdp import apply_fsdp, dp_mesh
 
@@ -54,12 +55,18 @@ def apply_dense_tp(model: nn.Module, tp_mesh) -> None:
         model.output.weight = model.tok_embeddings.weight
 
 
-def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: ParallelConfig) -> nn.Module:
-    """Apply TP (if tp > 1) then FSDP2 (if dp > 1) in place and return the model."""
+def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: ParallelConfig,
+                      activation_checkpoint: str = "none") -> nn.Module:
+    """Apply TP (if tp > 1), activation checkpointing, then FSDP2 (if dp > 1), in place.
+
+    The order matters: TP plans name modules inside blocks (before AC wraps them), and FSDP units
+    must be the (wrapped) blocks.
+    """
     cfg = model.config
     dims.check_model(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size)
     if dims.tp > 1:
         apply_dense_tp(model, mesh["tp"])
+    apply_activation_checkpointing(model, activation_checkpoint)
     if dims.dp > 1:
         apply_fsdp(model, list(model.layers.values()), dp_mesh(mesh), config.fsdp_param_dtype,
                    config.reshard_after_forward)
