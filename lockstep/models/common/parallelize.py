@@ -18,6 +18,9 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lockstep.config.base import ConfigError
+from lockstep.models.common.attention import GroupedQueryAttention
+from lockstep.models.common.mlp import SwiGLU
 from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.fsdp import apply_fsdp, dp_mesh
@@ -55,6 +58,16 @@ def apply_dense_tp(model: nn.Module, tp_mesh) -> None:
         model.output.weight = model.tok_embeddings.weight
 
 
+def _require_dense_blocks(model: nn.Module) -> None:
+    for name, block in model.layers.items():
+        if not isinstance(block.attention, GroupedQueryAttention) or not isinstance(block.feed_forward, SwiGLU):
+            raise ConfigError(
+                f"parallel.tp: the tensor-parallel plan covers GQA attention + SwiGLU blocks; layers.{name} "
+                f"has {type(block.attention).__name__} + {type(block.feed_forward).__name__} "
+                f"({model.config.family}); use dp_shard/dp_replicate for this family"
+            )
+
+
 def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: ParallelConfig,
                       activation_checkpoint: str = "none") -> nn.Module:
     """Apply TP (if tp > 1), activation checkpointing, then FSDP2 (if dp > 1), in place.
@@ -65,6 +78,7 @@ def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: Parall
     cfg = model.config
     dims.check_model(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size)
     if dims.tp > 1:
+        _require_dense_blocks(model)
         apply_dense_tp(model, mesh["tp"])
     apply_activation_checkpointing(model, activation_checkpoint)
     if dims.dp > 1:
