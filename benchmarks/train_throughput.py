@@ -5,7 +5,11 @@ thread count, same AdamW and clipping, measured in one process with the two inte
 (this host's speed drifts, so only side-by-side ratios mean anything). Prints tokens/s, MFU and the
 lockstep/HF ratio per dtype.
 
-    .venv/bin/python benchmarks/train_throughput.py [--flavor tiny] [--rounds 5] [--steps 6]
+    .venv/bin/python benchmarks/train_throughput.py [--flavor tiny] [--moe-flavor tiny] [--rounds 4]
+
+The MoE table runs lockstep's qwen3_moe with learned routing and with forced_balanced routing
+(tokens spread evenly regardless of scores: a different workload, reported apart) against
+transformers' Qwen3MoeForCausalLM with its own (learned) routing.
 """
 
 from __future__ import annotations
@@ -26,18 +30,24 @@ from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 from lockstep.train.trainer import Trainer
 
 
-def hf_llama(cfg):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def hf_model(cfg):
+    """The transformers model of the same architecture, built through the family's HF adapter."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.dim, intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-        head_dim=cfg.resolved_head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-        rope_theta=cfg.rope.theta, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
-        attn_implementation="sdpa", use_cache=False,
-    )
+    from lockstep.models.registry import get_model_spec
+
+    hf_dict = dict(get_model_spec(cfg.family).hf_adapter.config_to_hf(cfg))
+    model_type = hf_dict.pop("model_type")
+    hf_dict.pop("architectures", None)
+    hf_dict["use_cache"] = False
+    hf_cfg = AutoConfig.for_model(model_type, **hf_dict)
     torch.manual_seed(0)
-    return LlamaForCausalLM(hf_cfg)
+    return AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="sdpa")
+
+
+def with_routing(cfg, routing: str):
+    """The same model config with every MoE layer's routing mode set to ``routing``."""
+    return dataclasses.replace(cfg, feed_forward=dataclasses.replace(cfg.feed_forward, routing=routing))
 
 
 class HFLoop:
@@ -60,17 +70,18 @@ class HFLoop:
         return float(loss.detach())
 
 
-def measure(dtype_name: str, args, run_root: str) -> dict:
-    model_cfg = model_config("llama3", args.flavor)
+def measure(dtype_name: str, args, run_root: str, model_cfg, label: str) -> dict:
     config = TrainerConfig(
-        recipe=f"bench-{dtype_name}", steps=10_000, run_dir=f"{run_root}/{dtype_name}", model=model_cfg,
+        recipe=f"bench-{dtype_name}", steps=10_000, run_dir=f"{run_root}/{label}-{dtype_name}", model=model_cfg,
         optimizer=AdamWConfig(lr=1e-3), lr_schedule=LRScheduleConfig(kind="constant", warmup_steps=0),
         training=TrainingConfig(batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype_name),
         validation=ValidationConfig(every=0), output=OutputConfig(progress=False, sample_tokens=0),
     )
     trainer = Trainer(config)
     dtype = trainer.dtype
-    hf = HFLoop(hf_llama(model_cfg), config.optimizer, dtype, config.training.max_grad_norm)
+    # transformers has one routing mode (learned): its side always runs that
+    hf_source = with_routing(model_cfg, "learned") if hasattr(model_cfg.feed_forward, "routing") else model_cfg
+    hf = HFLoop(hf_model(hf_source), config.optimizer, dtype, config.training.max_grad_norm)
     batches = iter(trainer.data.train)
     tokens = config.training.batch_size * config.training.seq_len
 
@@ -104,6 +115,7 @@ def measure(dtype_name: str, args, run_root: str) -> dict:
     peak = peak_matmul_record(dtype, torch.get_num_threads())["value"]
     ours_tps, theirs_tps = statistics.median(ours), statistics.median(theirs)
     return {
+        "label": label,
         "dtype": dtype_name,
         "lockstep_tokens_per_s": ours_tps,
         "hf_tokens_per_s": theirs_tps,
@@ -120,7 +132,9 @@ def measure(dtype_name: str, args, run_root: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="llama3", help="dense family for the first table")
     parser.add_argument("--flavor", default="tiny")
+    parser.add_argument("--moe-flavor", default="tiny", help="qwen3_moe flavor for the MoE table ('' skips it)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--dtypes", default="float32,bfloat16")
@@ -130,16 +144,23 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"llama3 {args.flavor}: batch {args.batch_size} x seq {args.seq_len}, threads {args.threads}, "
-          f"{args.rounds} interleaved rounds of {args.steps} steps (median)")
-    print(f"{'dtype':<10} {'lockstep tok/s':>15} {'HF tok/s':>10} {'ratio':>7} {'(range)':>13} "
-          f"{'lockstep MFU':>13} {'HF MFU':>8}")
+    runs = [(f"{args.family} {args.flavor}", model_config(args.family, args.flavor))]
+    if args.moe_flavor:
+        moe = model_config("qwen3_moe", args.moe_flavor)
+        # different workloads: forced_balanced ignores the router, so its speed is not learned routing's
+        runs += [(f"qwen3_moe {args.moe_flavor} learned", with_routing(moe, "learned")),
+                 (f"qwen3_moe {args.moe_flavor} forced_balanced", with_routing(moe, "forced_balanced"))]
+    print(f"batch {args.batch_size} x seq {args.seq_len}, threads {args.threads}, "
+          f"{args.rounds} interleaved rounds of {args.steps} steps (median; ratio = median of paired rounds)")
+    print(f"{'model':<32} {'dtype':<9} {'lockstep tok/s':>14} {'HF tok/s':>9} {'ratio':>7} {'(range)':>12} "
+          f"{'lockstep MFU':>12} {'HF MFU':>7}")
     with tempfile.TemporaryDirectory() as root:
-        for dtype_name in args.dtypes.split(","):
-            r = measure(dtype_name, args, root)
-            print(f"{r['dtype']:<10} {r['lockstep_tokens_per_s']:>15.0f} {r['hf_tokens_per_s']:>10.0f} "
-                  f"{r['ratio']:>6.2f}x {r['ratio_min']:>6.2f}-{r['ratio_max']:.2f}x "
-                  f"{r['lockstep_mfu']:>12.1%} {r['hf_mfu']:>7.1%}")
+        for label, cfg in runs:
+            for dtype_name in args.dtypes.split(","):
+                r = measure(dtype_name, args, root, cfg, label.replace(" ", "_"))
+                print(f"{label:<32} {r['dtype']:<9} {r['lockstep_tokens_per_s']:>14.0f} {r['hf_tokens_per_s']:>9.0f} "
+                      f"{r['ratio']:>6.2f}x {r['ratio_min']:>5.2f}-{r['ratio_max']:.2f}x "
+                      f"{r['lockstep_mfu']:>11.1%} {r['hf_mfu']:>6.1%}", flush=True)
 
 
 if __name__ == "__main__":
