@@ -162,7 +162,13 @@ def cmd_recipes(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "recipes": cmd_recipes}
+def cmd_convert(argv: list[str]) -> int:
+    from lockstep.models.hf.convert import cmd_convert as convert
+
+    return convert(argv)
+
+
+COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:
