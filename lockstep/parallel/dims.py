@@ -22,6 +22,8 @@ class ParallelConfig(Config):
     dp_shard: int = -1
     #: tensor-parallel degree (with sequence parallel and loss-parallel cross-entropy)
     tp: int = 1
+    #: expert-parallel degree for MoE layers, taken from the dp_shard ranks (routed experts split over ep)
+    ep: int = 1
     #: FSDP mixed precision: parameter dtype in compute ("float32" or "bfloat16")
     fsdp_param_dtype: str = "float32"
     #: FSDP: free gathered parameters after forward ("always", "never", "except_last")
@@ -32,6 +34,7 @@ class ParallelConfig(Config):
         require(self.dp_shard == -1 or self.dp_shard >= 1, f"{path}.dp_shard",
                 f"must be >= 1 or -1 (auto), got {self.dp_shard}")
         require(self.tp >= 1, f"{path}.tp", f"must be >= 1, got {self.tp}")
+        require(self.ep >= 1, f"{path}.ep", f"must be >= 1, got {self.ep}")
         require_choice(self.fsdp_param_dtype, ["float32", "bfloat16"], f"{path}.fsdp_param_dtype")
         require_choice(self.reshard_after_forward, ["always", "never", "except_last"],
                        f"{path}.reshard_after_forward")
@@ -44,7 +47,15 @@ class ParallelConfig(Config):
                 f"the world size {world_size}"
             )
         dp_shard = world_size // others if self.dp_shard == -1 else self.dp_shard
-        dims = ParallelDims(dp_replicate=self.dp_replicate, dp_shard=dp_shard, tp=self.tp, world_size=world_size)
+        if self.ep > 1:
+            require(dp_shard % self.ep == 0, "parallel.ep", f"{self.ep} must divide dp_shard={dp_shard}")
+            require(self.tp == 1, "parallel.ep", "expert parallel with tp > 1 is not supported yet")
+            require(self.dp_replicate == 1 and dp_shard == self.ep, "parallel.ep",
+                    f"expert parallel currently needs ep == dp_shard and dp_replicate == 1 "
+                    f"(experts are left out of FSDP); got ep={self.ep}, dp_shard={dp_shard}, "
+                    f"dp_replicate={self.dp_replicate}")
+        dims = ParallelDims(dp_replicate=self.dp_replicate, dp_shard=dp_shard, tp=self.tp, world_size=world_size,
+                            ep=self.ep)
         dims.validate()
         return dims
 
@@ -55,6 +66,7 @@ class ParallelDims:
     dp_shard: int
     tp: int
     world_size: int
+    ep: int = 1
 
     def validate(self) -> None:
         product = self.dp_replicate * self.dp_shard * self.tp
@@ -77,11 +89,23 @@ class ParallelDims:
 
     @property
     def mesh_dims(self) -> list[tuple[str, int]]:
-        return [(n, d) for n, d in (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                                    ("tp", self.tp)) if d > 1]
+        """Named mesh dims. With ep > 1 the dp_shard ranks are split into (dp_shard_mod_ep, ep), ep
+        innermost so an expert group is neighbouring ranks; both are kept even at size 1."""
+        if self.ep > 1:
+            shard = [("dp_shard_mod_ep", self.dp_shard // self.ep), ("ep", self.ep)]
+        else:
+            shard = [("dp_shard", self.dp_shard)] if self.dp_shard > 1 else []
+        rep = [("dp_replicate", self.dp_replicate)] if self.dp_replicate > 1 else []
+        tp = [("tp", self.tp)] if self.tp > 1 else []
+        return rep + shard + tp
+
+    @property
+    def data_dims(self) -> list[str]:
+        """Mesh dims whose ranks read different data."""
+        return [n for n, _ in self.mesh_dims if n in ("dp_replicate", "dp_shard", "dp_shard_mod_ep", "ep")]
 
     def build_mesh(self, device_type: str):
-        """A DeviceMesh with a named dim per degree > 1, plus a flattened ``dp`` dim; None for world 1."""
+        """A DeviceMesh with the dims above plus flattened ``dp_shard`` (under ep) and ``dp``; None for world 1."""
         from torch.distributed.device_mesh import init_device_mesh
 
         dims = self.mesh_dims
@@ -89,19 +113,16 @@ class ParallelDims:
             return None
         names = tuple(n for n, _ in dims)
         mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
-        dp_names = tuple(n for n in names if n.startswith("dp_"))
-        if len(dp_names) > 1:
-            mesh[dp_names]._flatten("dp")
+        if self.ep > 1:
+            mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
+        if len(self.data_dims) > 1:
+            mesh[tuple(self.data_dims)]._flatten("dp")
         return mesh
 
     def dp_rank(self, mesh) -> int:
         """This process's index among data-parallel ranks (who reads which slice of a batch)."""
-        if mesh is None:
+        if mesh is None or not self.data_dims:
             return 0
-        names = mesh.mesh_dim_names
-        dp_names = [n for n in names if n.startswith("dp_")]
-        if not dp_names:
-            return 0
-        if len(dp_names) == 1:
-            return mesh[dp_names[0]].get_local_rank()
+        if len(self.data_dims) == 1:
+            return mesh[self.data_dims[0]].get_local_rank()
         return mesh["dp"].get_local_rank()

@@ -50,6 +50,25 @@ class ParallelRuntime:
 
         return parallelize_dense(model, self.dims, self.mesh, config, activation_checkpoint)
 
+    def after_backward(self, model: nn.Module) -> None:
+        """Expert gradients sum every ep rank's tokens; scale them to the mean loss's gradient
+        (FSDP already averages the rest)."""
+        if self.dims.ep > 1:
+            from lockstep.parallel.expert import expert_parameters
+
+            for p in expert_parameters(model):
+                if p.grad is not None:
+                    p.grad.div_(self.dims.ep)
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        if self.dims.ep > 1:
+            from lockstep.parallel.expert import clip_grad_norm_expert_parallel
+
+            return clip_grad_norm_expert_parallel(model, max_norm, self.mesh["ep"])
+        from lockstep.parallel.grad import clip_grad_norm
+
+        return clip_grad_norm(model.parameters(), max_norm)
+
     def loss_context(self) -> contextlib.AbstractContextManager:
         """Cross-entropy over vocabulary-sharded logits when tensor parallel."""
         if self.dims.tp > 1:
@@ -74,14 +93,21 @@ class ParallelRuntime:
             return model.state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.dims.ep > 1:
+            from lockstep.parallel.expert import gather_full_experts
+
+            state.update({k: v.cpu() for k, v in gather_full_experts(model, self.mesh["ep"]).items()})
+        return state
 
     def describe(self) -> dict:
         return {
             "world_size": self.world_size,
             "device": self.device_type,
             "backend": dist.get_backend() if dist.is_initialized() else None,
-            "degrees": {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard, "tp": self.dims.tp},
+            "degrees": {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard, "tp": self.dims.tp,
+                        "ep": self.dims.ep},
+            "experts": f"routed experts split over ep={self.dims.ep}, outside FSDP" if self.dims.ep > 1 else None,
             "mesh": [list(n) for n in self.dims.mesh_dims],
             "fsdp_units": "each transformer block + root" if self.dims.dp > 1 else None,
             "tp_plan": "megatron col/row + sequence-parallel norms + loss-parallel head" if self.dims.tp > 1 else None,

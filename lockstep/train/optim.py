@@ -35,14 +35,15 @@ class AdamWConfig(Config):
         require(self.weight_decay >= 0, f"{path}.weight_decay", f"must be >= 0, got {self.weight_decay}")
 
     def build(self, model: nn.Module) -> torch.optim.AdamW:
-        decay, no_decay = [], []
+        # Groups by (decays?, is a DTensor?): one fused kernel call per group may not mix sharded
+        # and plain tensors (expert-parallel weights stay plain beside FSDP's DTensors).
+        buckets: dict[tuple[bool, bool], list[nn.Parameter]] = {}
         for param in model.parameters():
             if param.requires_grad:
-                (decay if param.ndim >= 2 else no_decay).append(param)
-        groups = [
-            {"params": decay, "weight_decay": self.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+                key = (param.ndim >= 2, hasattr(param, "device_mesh"))
+                buckets.setdefault(key, []).append(param)
+        groups = [{"params": params, "weight_decay": self.weight_decay if decays else 0.0}
+                  for (decays, _), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
         # The fused kernel (CPU and CUDA) is elementwise per parameter: fast and deterministic.
         return torch.optim.AdamW(groups, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps,
                                  fused=True)

@@ -34,7 +34,6 @@ from lockstep.observe import (
     peak_rss_bytes,
     plot_loss,
 )
-from lockstep.parallel.grad import clip_grad_norm
 from lockstep.parallel.runtime import ParallelRuntime
 from lockstep.train.config import TrainerConfig
 from lockstep.train.sample import greedy_continue
@@ -184,7 +183,8 @@ class Trainer:
                 extra[name] = extra.get(name, 0.0) + value / cfg.grad_accum
         with self.timer.stage("optimizer"):
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-            grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm))
+            self.runtime.after_backward(self.model)
+            grad_norm = float(self.runtime.clip_grad_norm(self.model, max_norm))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         return {"loss": total_loss, "lr": lr, "grad_norm": grad_norm, **extra}

@@ -45,6 +45,7 @@ LAYOUTS = [
     ("dp_shard=2 x tp=2", "debug", 4, ["--parallel.dp-shard", "2", "--parallel.tp", "2"]),
     ("dp_replicate=2 x dp_shard=2 (HSDP)", "debug", 4, ["--parallel.dp-replicate", "2", "--parallel.dp-shard", "2"]),
     ("dp_shard=2 moe", "debug-moe", 2, ["--parallel.dp-shard", "2"]),
+    ("ep=2 x dp_shard=2 moe", "debug-moe", 2, ["--parallel.dp-shard", "2", "--parallel.ep", "2"]),
 ]
 
 

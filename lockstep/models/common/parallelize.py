@@ -23,6 +23,7 @@ from lockstep.models.common.attention import GroupedQueryAttention
 from lockstep.models.common.mlp import SwiGLU
 from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
+from lockstep.parallel.expert import apply_expert_parallel, expert_parameters
 from lockstep.parallel.fsdp import apply_fsdp, dp_mesh
 
 
@@ -77,11 +78,16 @@ def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: Parall
     """
     cfg = model.config
     dims.check_model(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size)
+    expert_params: set[nn.Parameter] | None = None
+    if dims.ep > 1:
+        # experts split over ep and kept out of FSDP (each ep rank owns its slice whole)
+        apply_expert_parallel(model, mesh["ep"])
+        expert_params = set(expert_parameters(model))
     if dims.tp > 1:
         _require_dense_blocks(model)
         apply_dense_tp(model, mesh["tp"])
     apply_activation_checkpointing(model, activation_checkpoint)
     if dims.dp > 1:
-        apply_fsdp(model, list(model.layers.values()), dp_mesh(mesh), config.fsdp_param_dtype,
-                   config.reshard_after_forward)
+        apply_fsdp(model, list(model.layers.values()), dp_mesh(mesh, dims), config.fsdp_param_dtype,
+                   config.reshard_after_forward, ignored_params=expert_params)
     return model
