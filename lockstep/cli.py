@@ -168,7 +168,13 @@ def cmd_convert(argv: list[str]) -> int:
     return convert(argv)
 
 
-COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "convert": cmd_convert}
+def cmd_plan(argv: list[str]) -> int:
+    from lockstep.parallel.plan import cmd_plan as plan
+
+    return plan(argv)
+
+
+COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "convert": cmd_convert, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

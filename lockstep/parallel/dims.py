@@ -94,7 +94,9 @@ class ParallelDims:
         if self.ep > 1:
             shard = [("dp_shard_mod_ep", self.dp_shard // self.ep), ("ep", self.ep)]
         else:
-            shard = [("dp_shard", self.dp_shard)] if self.dp_shard > 1 else []
+            # with replicas, keep dp_shard even at size 1: FSDP then replicates over dp_replicate
+            # (HSDP with one shard) instead of sharding over the replicas
+            shard = [("dp_shard", self.dp_shard)] if self.dp_shard > 1 or self.dp_replicate > 1 else []
         rep = [("dp_replicate", self.dp_replicate)] if self.dp_replicate > 1 else []
         tp = [("tp", self.tp)] if self.tp > 1 else []
         return rep + shard + tp

@@ -10,6 +10,7 @@ def test_auto_dp_shard_takes_the_remaining_ranks():
     dims = ParallelConfig(tp=2).resolve(8)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.dp) == (1, 4, 2, 4)
     assert dims.mesh_dims == [("dp_shard", 4), ("tp", 2)]
+    assert ParallelConfig(dp_replicate=2, dp_shard=1).resolve(2).mesh_dims == [("dp_replicate", 2), ("dp_shard", 1)]
     assert ParallelConfig().resolve(1).mesh_dims == []
 
 
