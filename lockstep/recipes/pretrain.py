@@ -66,3 +66,10 @@ def debug_moe() -> TrainerConfig:
     cfg = debug()
     cfg.model = model_config("qwen3_moe", "debug")
     return cfg
+
+
+@recipe("debug-deepseek", "tiny deepseek_v3 (MLA, MoE with aux-loss-free balancing, MTP) on Shakespeare, for tests")
+def debug_deepseek() -> TrainerConfig:
+    cfg = debug()
+    cfg.model = model_config("deepseek_v3", "debug")
+    return cfg

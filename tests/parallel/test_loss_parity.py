@@ -34,7 +34,7 @@ def _train(run_dir, recipe, nproc=1, extra=()):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("ref")
-    return {recipe: _train(root / recipe, recipe)[0] for recipe in ("debug", "debug-qwen3", "debug-moe")}
+    return {recipe: _train(root / recipe, recipe)[0] for recipe in ("debug", "debug-qwen3", "debug-moe", "debug-deepseek")}
 
 
 LAYOUTS = [
@@ -46,6 +46,8 @@ LAYOUTS = [
     ("dp_replicate=2 x dp_shard=2 (HSDP)", "debug", 4, ["--parallel.dp-replicate", "2", "--parallel.dp-shard", "2"]),
     ("dp_shard=2 moe", "debug-moe", 2, ["--parallel.dp-shard", "2"]),
     ("ep=2 x dp_shard=2 moe", "debug-moe", 2, ["--parallel.dp-shard", "2", "--parallel.ep", "2"]),
+    # MLA + MoE whose aux-loss-free bias update must see the counts of both ranks, + MTP loss
+    ("dp_shard=2 deepseek", "debug-deepseek", 2, ["--parallel.dp-shard", "2"]),
 ]
 
 

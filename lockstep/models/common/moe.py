@@ -180,6 +180,9 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = config.n_routed_experts, config.n_activated
         #: read by the run manifest: "learned" or "forced_balanced"
         self.routing_mode = config.routing
+        #: set from outside by a parallel plan: sums expert counts over ranks that see other tokens,
+        #: so replicated routers take the same bias step (the model itself knows no process groups)
+        self.reduce_counts = None
         self.gate = nn.Linear(dim, self.n_experts, bias=False)
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
         self.experts = GroupedExperts(self.n_experts, dim, hidden_dim, config.experts_impl, init_std, out_init_std)
@@ -236,7 +239,8 @@ class MoE(nn.Module):
             loss = sequence_balance_loss(scores.view(b, seq, -1), indices.view(b, seq, -1), self.n_experts, self.top_k)
             self._losses["seq_aux_loss"] = cfg.seq_aux_loss_coef * loss
         if cfg.bias_update_speed > 0:
-            balance_bias_update(self.e_score_correction_bias, counts, cfg.bias_update_speed)
+            global_counts = self.reduce_counts(counts) if self.reduce_counts is not None else counts
+            balance_bias_update(self.e_score_correction_bias, global_counts, cfg.bias_update_speed)
 
     def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Losses (``seq_aux_loss``, already weighted, when enabled in training) and metrics of the

@@ -59,6 +59,26 @@ def apply_dense_tp(model: nn.Module, tp_mesh) -> None:
         model.output.weight = model.tok_embeddings.weight
 
 
+def _share_expert_counts(model: nn.Module, dims: ParallelDims, mesh) -> None:
+    """Routers are replicated over data-parallel ranks that see different tokens: their
+    aux-loss-free bias updates must use the counts summed over those ranks."""
+    if not dims.data_dims:
+        return
+    import torch.distributed as dist
+
+    group_mesh = mesh["dp"] if len(dims.data_dims) > 1 else mesh[dims.data_dims[0]]
+    group = group_mesh.get_group()
+
+    def reduce(counts):
+        total = counts.detach().clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    for module in model.modules():
+        if hasattr(module, "reduce_counts"):
+            module.reduce_counts = reduce
+
+
 def _require_dense_blocks(model: nn.Module) -> None:
     for name, block in model.layers.items():
         if not isinstance(block.attention, GroupedQueryAttention) or not isinstance(block.feed_forward, SwiGLU):
@@ -78,6 +98,7 @@ def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: Parall
     """
     cfg = model.config
     dims.check_model(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size)
+    _share_expert_counts(model, dims, mesh)
     expert_params: set[nn.Parameter] | None = None
     if dims.ep > 1:
         # experts split over ep and kept out of FSDP (each ep rank owns its slice whole)
