@@ -82,6 +82,8 @@ class TrainerConfig(Config):
     seed: int = 0
     #: run directory; empty means runs/<recipe>-<timestamp>
     run_dir: str = ""
+    #: start from these weights: a Hugging Face dir, a lockstep/run dir, or a name ("smollm2"); empty = random init
+    init_from: str = ""
     #: the model architecture
     model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
     #: the corpus, tokenizer and loaders

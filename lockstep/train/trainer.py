@@ -92,6 +92,12 @@ class Trainer:
             raise ConfigError(f"run_dir: {self.run_dir} already holds a run (metrics.jsonl); choose another")
         self._barrier()  # nobody creates the run dir before every rank has checked it was free
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # resolved before the data: a pretrained model's tokenizer lives in its directory
+        self.init_path = None
+        if config.init_from:
+            from lockstep.models.hf.pretrained import resolve_pretrained
+
+            self.init_path = resolve_pretrained(config.init_from)
         self.data: DataBundle = config.data.build(seq_len=cfg.seq_len, batch_size=cfg.batch_size // dp,
                                                   seed=config.seed, rank=self.runtime.dp_rank, world_size=dp)
         if self.data.tokenizer.vocab_size > config.model.vocab_size:
@@ -101,7 +107,12 @@ class Trainer:
             )
         # Every rank materialises the same seeded weights, then the plan shards them: a layout
         # starts from exactly the single-process initial weights.
-        model = build_model(config.model, seed=config.seed)
+        if self.init_path is not None:
+            from lockstep.models.hf.pretrained import load_pretrained
+
+            model = load_pretrained(self.init_path, config=config.model, dtype=torch.float32)
+        else:
+            model = build_model(config.model, seed=config.seed)
         self.flops_per_token = model.flops_per_token(cfg.seq_len)
         self.model: Transformer = self.runtime.parallelize(model, config.parallel, cfg.activation_checkpoint)
         self.optimizer = config.optimizer.build(self.model)
@@ -150,6 +161,7 @@ class Trainer:
                 "val_tokens": self.data.val_tokens,
             },
             transforms=list(self.config.transforms),
+            init_from={"name": self.config.init_from, "path": str(self.init_path)} if self.init_path else None,
             parallel=self.runtime.describe(),
         )
         manifest.write()

@@ -140,6 +140,9 @@ def smollm2_hf_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
         try:
             gguf_to_hf_dir(gguf_path, tmp)
             (tmp / _DONE_MARKER).write_text(f"from {WHEEL_NAME} ({WHEEL_SHA256})\n", encoding="utf-8")
+            os.chmod(tmp, 0o755)  # mkdtemp makes 0700; cache entries are meant to be shared
+            for file in tmp.iterdir():
+                os.chmod(file, 0o644)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(tmp, target)
@@ -235,7 +238,9 @@ def gguf_llama_tensors(reader: Any, config: dict[str, Any]) -> dict[str, torch.T
             weight = _reverse_permute(weight, config["num_attention_heads"])
         elif name.endswith("attn_k.weight"):
             weight = _reverse_permute(weight, config["num_key_value_heads"])
-        out[hf_name] = torch.from_numpy(np.ascontiguousarray(weight))
+        if not weight.flags.writeable or not weight.flags.c_contiguous:
+            weight = np.array(weight, order="C", copy=True)  # F32 tensors are views of the memmap
+        out[hf_name] = torch.from_numpy(weight)
     if unknown:
         raise ConfigError(f"GGUF tensor(s) with no Llama equivalent: {sorted(unknown)}")
     return out

@@ -147,8 +147,10 @@ def read_hf_config(path: PathLike) -> dict[str, Any]:
     if not path.is_dir():
         raise ConfigError(f"{path}: not a directory (expected a Hugging Face model directory)")
     if not file.is_file():
+        held = sorted(p.name for p in path.iterdir())
         raise ConfigError(f"{file}: missing; {path} is not a Hugging Face model directory "
-                          f"(it holds {sorted(p.name for p in path.iterdir())[:10]})")
+                          f"(it holds {len(held)} entries{': ' + ', '.join(held[:5]) if held else ''}"
+                          f"{', ...' if len(held) > 5 else ''})")
     return _read_json(file)
 
 
@@ -246,14 +248,21 @@ def load_hf(
     """A lockstep ``Transformer`` holding the weights of the HF model directory ``path``.
 
     ``dtype`` None (or "auto") keeps the dtype stored in the files; pass ``torch.float32`` for
-    fp32 master weights. ``config`` may replace the one read from config.json (e.g. to set the
-    attention backend or overrides); its architecture must match the file's tensors.
+    fp32 master weights. ``config`` may replace the one read from config.json to change what
+    does not alter the function (attention backend, overrides of it, ``max_seq_len``, flavor);
+    any other difference is a ConfigError naming the field.
     """
+    from lockstep.models.hf.pretrained import check_same_architecture
+
     path = Path(path)
     dtype = _resolve_dtype(dtype)
     hf_config = read_hf_config(path)
     spec, adapter = _spec_and_adapter(hf_config, path / CONFIG_NAME)
-    config = config if config is not None else load_hf_config(path)
+    stored = load_hf_config(path)
+    if config is None:
+        config = stored
+    else:
+        check_same_architecture(stored, config, str(path / CONFIG_NAME))
     model = _meta_model(config)
     expected_ls = _expected_shapes(model)
     expected_hf, tied_optional = _expected_hf_shapes(adapter, model, config)
