@@ -19,7 +19,7 @@ def debug() -> TrainerConfig:
         lr_schedule=LRScheduleConfig(warmup_steps=2),
         training=TrainingConfig(batch_size=4, seq_len=64),
         validation=ValidationConfig(every=10, batches=2),
-        output=OutputConfig(sample_tokens=16),
+        output=OutputConfig(sample_tokens=16, parity_check=False),
     )
 
 

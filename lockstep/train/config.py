@@ -68,6 +68,8 @@ class OutputConfig(Config):
     sample_prompt: str = "ROMEO:"
     #: write the final weights as model.safetensors
     save_weights: bool = True
+    #: at start, check the model family against transformers (debug flavor, fp32 logits) and record it in the manifest
+    parity_check: bool = True
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -164,6 +164,11 @@ class Trainer:
             init_from={"name": self.config.init_from, "path": str(self.init_path)} if self.init_path else None,
             parallel=self.runtime.describe(),
         )
+        if self.config.output.parity_check:
+            from lockstep.models.hf.parity import family_parity
+
+            result = family_parity(self.config.model.family)
+            manifest.add_check("hf_parity", bool(result.pop("passed")), **result)
         manifest.write()
         return manifest
 

@@ -24,6 +24,7 @@ def _debug(tmp_path, name="run", **changes):
 @pytest.fixture(scope="module")
 def debug_run(tmp_path_factory):
     cfg = _debug(tmp_path_factory.mktemp("debug"))
+    cfg.output = dataclasses.replace(cfg.output, parity_check=True)
     return Trainer(cfg).fit()
 
 
@@ -53,6 +54,10 @@ def test_run_directory_has_every_file_and_key(debug_run):
     assert manifest["model"]["parameters"] > 0 and manifest["model"]["flops_per_token"] > 0
     assert {"python", "torch", "lockstep"} <= set(manifest["versions"])
     assert manifest["kernels"]["attention"] == ["sdpa"]
+    parity = [c for c in manifest["checks"] if c["name"] == "hf_parity"]
+    assert len(parity) == 1 and parity[0]["passed"] is True, manifest["checks"]
+    assert parity[0]["family"] == "llama3" and parity[0]["max_abs_diff"] <= 1e-4
+    assert parity[0]["transformers"]
     weights = load_file(str(run / "model.safetensors"))
     assert "layers.0.attention.wq.weight" in weights
 
