@@ -73,3 +73,10 @@ def debug_deepseek() -> TrainerConfig:
     cfg = debug()
     cfg.model = model_config("deepseek_v3", "debug")
     return cfg
+
+
+@recipe("shakespeare-moe", "qwen3_moe tiny (16 experts, top-4) on Shakespeare in bf16")
+def shakespeare_moe() -> TrainerConfig:
+    cfg = shakespeare()
+    cfg.model = model_config("qwen3_moe", "tiny")
+    return cfg

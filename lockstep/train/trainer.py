@@ -144,6 +144,8 @@ class Trainer:
         manifest.update(
             kernels={
                 "attention": sorted({layer.attention.backend_name for layer in model.layers.values()}),
+                # forced_balanced ignores the router: its throughput is not learned routing's
+                "moe_routing": sorted({m.routing_mode for m in model.modules() if hasattr(m, "routing_mode")}) or None,
                 "compute_dtype": self.config.training.dtype,
                 "autocast": self.dtype != torch.float32,
             },

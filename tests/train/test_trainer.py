@@ -105,3 +105,17 @@ def test_activation_checkpointing_keeps_losses_bitwise(tmp_path, mode):
     assert result.losses == base.losses
     names = set(load_file(str(result.run_dir / "model.safetensors")))
     assert names == set(load_file(str(base.run_dir / "model.safetensors")))
+
+
+def test_manifest_records_moe_routing_mode(tmp_path):
+    from lockstep.cli import resolve_config
+
+    cfg, _ = resolve_config(["--recipe", "debug-moe", "--steps", "2", "--run-dir", str(tmp_path / "moe"),
+                             "--output.no-progress", "--output.sample-tokens", "0",
+                             "--override", "layers.*.feed_forward=moe,routing=forced_balanced"])
+    result = Trainer(cfg).fit()
+    manifest = json.loads((result.run_dir / "manifest.json").read_text())
+    assert manifest["kernels"]["moe_routing"] == ["forced_balanced"]
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    loads = [r["layers.0.feed_forward/load_cv"] for r in records if "loss" in r]
+    assert loads and all(v == 0.0 for v in loads)  # forced balance: every expert gets the same load
