@@ -75,7 +75,7 @@ def measure(dtype_name: str, args, run_root: str, model_cfg, label: str) -> dict
         recipe=f"bench-{dtype_name}", steps=10_000, run_dir=f"{run_root}/{label}-{dtype_name}", model=model_cfg,
         optimizer=AdamWConfig(lr=1e-3), lr_schedule=LRScheduleConfig(kind="constant", warmup_steps=0),
         training=TrainingConfig(batch_size=args.batch_size, seq_len=args.seq_len, dtype=dtype_name),
-        validation=ValidationConfig(every=0), output=OutputConfig(progress=False, sample_tokens=0),
+        validation=ValidationConfig(every=0), output=OutputConfig(progress=False, sample_tokens=0, parity_check=False),
     )
     trainer = Trainer(config)
     dtype = trainer.dtype
