@@ -25,7 +25,7 @@ the single-process gradients of it (before data-parallel averaging, which FSDP d
 Compose with FSDP by passing ``parallelize_fn`` (applied to each stage module before it becomes a
 ``PipelineStage``), e.g. ``apply_fsdp(part, list(part.layers.values()), dp_mesh, ...)``; under the
 V schedules the runner turns ``reshard_after_forward`` off on every FSDP unit (see
-``_keep_unsharded_after_forward``).
+``_keep_unsharded_after_forward``) and refuses selective activation checkpointing (full is fine).
 """
 
 from __future__ import annotations
@@ -253,14 +253,34 @@ def _stage_class():
     return _Stage
 
 
+def _check_split_backward(parts: Sequence[nn.Module], schedule: str) -> None:
+    """Refuse selective activation checkpointing under the V schedules, before any rank starts.
+
+    Their backward runs twice over each region (input gradients, later weight gradients), and
+    torch's selective checkpointing raises "Trying to backward an extra time" on the second pass
+    -- on one rank, mid-schedule, leaving the others waiting. Full checkpointing works.
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    for part in parts:
+        for name, module in part.named_modules():
+            keywords = getattr(getattr(module, "checkpoint_fn", None), "keywords", None) or {}
+            if isinstance(module, CheckpointWrapper) and keywords.get("context_fn") is not None:
+                raise ValueError(
+                    f"pp: selective activation checkpointing ({name.replace('._checkpoint_wrapped_module', '')}) "
+                    f"cannot run under {schedule}, whose split backward (input grads, then weight grads) "
+                    "backpropagates each checkpointed region twice; use activation_checkpoint 'full' or "
+                    "'none', or a schedule without the split (1F1B, Interleaved1F1B, GPipe)")
+
+
 def _keep_unsharded_after_forward(parts: Sequence[nn.Module]) -> None:
     """FSDP units of a V schedule must not reshard after forward.
 
     ZBVZeroBubble and DualPipeV split backward into input- and weight-gradient passes; with
     ``reshard_after_forward=True`` (torch 2.13) the weight pass of some FSDP units silently produces
-    wrong or missing gradients (measured at pp=2 x dp_shard=2: ``layers.*`` grads off by up to 100%,
-    some ``None``). The schedule's own UNSHARD/RESHARD actions still bound the memory per stage;
-    TorchTitan likewise keeps ``reshard_after_forward=False`` whenever pp > 1.
+    wrong or missing gradients (measured at pp=2 x dp_shard=2: ``layers.*`` grads off by as much as
+    the gradients themselves, some ``None``). The schedule's own UNSHARD/RESHARD actions still bound
+    the memory per stage; TorchTitan's default policy does not reshard after forward under pp either.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -312,6 +332,7 @@ class PipelineRunner:
         if parallelize_fn is not None:
             parts = [(parallelize_fn(p) or p) for p in parts]
         if self.schedule_name in V_SCHEDULES:
+            _check_split_backward(parts, self.schedule_name)
             _keep_unsharded_after_forward(parts)
         #: this rank's stage modules (for the optimizer, clipping, state dicts), in stage order
         self.model_parts: list[nn.Module] = parts
