@@ -24,6 +24,12 @@ class ParallelConfig(Config):
     tp: int = 1
     #: expert-parallel degree for MoE layers, taken from the dp_shard ranks (routed experts split over ep)
     ep: int = 1
+    #: pipeline-parallel degree (layers split into stages by count)
+    pp: int = 1
+    #: pipeline schedule: "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV" or "GPipe"
+    pp_schedule: str = "1F1B"
+    #: micro-batches per pipeline step; 0 uses the number of stages
+    pp_microbatches: int = 0
     #: FSDP mixed precision: parameter dtype in compute ("float32" or "bfloat16")
     fsdp_param_dtype: str = "float32"
     #: FSDP: free gathered parameters after forward ("always", "never", "except_last")
@@ -35,17 +41,21 @@ class ParallelConfig(Config):
                 f"must be >= 1 or -1 (auto), got {self.dp_shard}")
         require(self.tp >= 1, f"{path}.tp", f"must be >= 1, got {self.tp}")
         require(self.ep >= 1, f"{path}.ep", f"must be >= 1, got {self.ep}")
+        require(self.pp >= 1, f"{path}.pp", f"must be >= 1, got {self.pp}")
+        require(self.pp_microbatches >= 0, f"{path}.pp_microbatches", f"must be >= 0, got {self.pp_microbatches}")
         require_choice(self.fsdp_param_dtype, ["float32", "bfloat16"], f"{path}.fsdp_param_dtype")
         require_choice(self.reshard_after_forward, ["always", "never", "except_last"],
                        f"{path}.reshard_after_forward")
 
     def resolve(self, world_size: int) -> "ParallelDims":
-        others = self.dp_replicate * self.tp
+        others = self.dp_replicate * self.tp * self.pp
         if world_size % others:
             raise ConfigError(
-                f"parallel: dp_replicate={self.dp_replicate} x tp={self.tp} = {others} does not divide "
-                f"the world size {world_size}"
+                f"parallel: dp_replicate={self.dp_replicate} x tp={self.tp} x pp={self.pp} = {others} does not "
+                f"divide the world size {world_size}"
             )
+        if self.pp > 1:
+            require(self.tp == 1 and self.ep == 1, "parallel.pp", "pipeline parallel with tp or ep is not supported yet")
         dp_shard = world_size // others if self.dp_shard == -1 else self.dp_shard
         if self.ep > 1:
             require(dp_shard % self.ep == 0, "parallel.ep", f"{self.ep} must divide dp_shard={dp_shard}")
@@ -55,7 +65,7 @@ class ParallelConfig(Config):
                     f"(experts are left out of FSDP); got ep={self.ep}, dp_shard={dp_shard}, "
                     f"dp_replicate={self.dp_replicate}")
         dims = ParallelDims(dp_replicate=self.dp_replicate, dp_shard=dp_shard, tp=self.tp, world_size=world_size,
-                            ep=self.ep)
+                            ep=self.ep, pp=self.pp)
         dims.validate()
         return dims
 
@@ -67,12 +77,13 @@ class ParallelDims:
     tp: int
     world_size: int
     ep: int = 1
+    pp: int = 1
 
     def validate(self) -> None:
-        product = self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
         if product != self.world_size:
             raise ConfigError(
-                f"parallel: dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+                f"parallel: pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
                 f"= {product}, but the world size is {self.world_size}"
             )
 
@@ -99,7 +110,8 @@ class ParallelDims:
             shard = [("dp_shard", self.dp_shard)] if self.dp_shard > 1 or self.dp_replicate > 1 else []
         rep = [("dp_replicate", self.dp_replicate)] if self.dp_replicate > 1 else []
         tp = [("tp", self.tp)] if self.tp > 1 else []
-        return rep + shard + tp
+        pp = [("pp", self.pp)] if self.pp > 1 else []  # outermost: a pipeline's stages are far apart
+        return pp + rep + shard + tp
 
     @property
     def data_dims(self) -> list[str]:

@@ -44,11 +44,33 @@ class ParallelRuntime:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    pipeline: object | None = None
+
     def parallelize(self, model: nn.Module, config: ParallelConfig, activation_checkpoint: str = "none") -> nn.Module:
-        """The model's plan applied for this layout (one process: activation checkpointing only)."""
+        """The model's plan applied for this layout (one process: activation checkpointing only).
+
+        With pp > 1 the model is split into stages run by ``self.pipeline`` (a PipelineRunner);
+        the returned module then holds this rank's stages (for the optimizer and mode switches).
+        """
         from lockstep.models.common.parallelize import parallelize_dense
 
-        return parallelize_dense(model, self.dims, self.mesh, config, activation_checkpoint)
+        if self.dims.pp == 1:
+            return parallelize_dense(model, self.dims, self.mesh, config, activation_checkpoint)
+        from lockstep.parallel.checkpointing import apply_activation_checkpointing
+        from lockstep.parallel.fsdp import apply_fsdp, dp_mesh
+        from lockstep.parallel.pipeline import PipelineRunner
+
+        def parallelize_stage(part: nn.Module) -> nn.Module:
+            apply_activation_checkpointing(part, activation_checkpoint)
+            if self.dims.dp > 1:
+                apply_fsdp(part, list(part.layers.values()), dp_mesh(self.mesh, self.dims), config.fsdp_param_dtype,
+                           config.reshard_after_forward)
+            return part
+
+        self.pipeline = PipelineRunner(model, self.mesh["pp"], schedule=config.pp_schedule,
+                                       n_microbatches=config.pp_microbatches or None,
+                                       parallelize_fn=parallelize_stage)
+        return nn.ModuleList(self.pipeline.model_parts)
 
     def after_backward(self, model: nn.Module) -> None:
         """Expert gradients sum every ep rank's tokens; scale them to the mean loss's gradient
@@ -61,6 +83,8 @@ class ParallelRuntime:
                     p.grad.div_(self.dims.ep)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
+        if self.pipeline is not None:
+            return self.pipeline.clip_grad_norm(max_norm)
         if self.dims.ep > 1:
             from lockstep.parallel.expert import clip_grad_norm_expert_parallel
 
@@ -91,6 +115,8 @@ class ParallelRuntime:
         """Unsharded parameters on CPU (collective: every rank must call it)."""
         if not self.distributed:
             return model.state_dict()
+        if self.pipeline is not None:
+            return self.pipeline.full_state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -106,7 +132,9 @@ class ParallelRuntime:
             "device": self.device_type,
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "degrees": {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard, "tp": self.dims.tp,
-                        "ep": self.dims.ep},
+                        "ep": self.dims.ep, "pp": self.dims.pp},
+            "pipeline": {"schedule": self.pipeline.schedule_name, "n_stages": self.pipeline.n_stages,
+                         "stages_on_this_rank": list(self.pipeline.stage_ids)} if self.pipeline is not None else None,
             "experts": f"routed experts split over ep={self.dims.ep}, outside FSDP" if self.dims.ep > 1 else None,
             "mesh": [list(n) for n in self.dims.mesh_dims],
             "fsdp_units": "each transformer block + root" if self.dims.dp > 1 else None,

@@ -87,6 +87,16 @@ class Trainer:
         if cfg.batch_size % dp:
             raise ConfigError(f"training.batch_size: {cfg.batch_size} is not divisible by the {dp} "
                               "data-parallel ranks")
+        if self.runtime.dims.pp > 1:
+            from lockstep.parallel.pipeline import stages_per_rank, validate_pipeline
+
+            par = config.parallel
+            try:
+                validate_pipeline(par.pp_schedule, par.pp,
+                                  par.pp_microbatches or par.pp * stages_per_rank(par.pp_schedule),
+                                  n_layers=config.model.n_layers, batch_size=cfg.batch_size // dp)
+            except ValueError as err:
+                raise ConfigError("parallel." + str(err).replace("n_microbatches:", "pp_microbatches:", 1)) from None
         self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.recipe)
         if (self.run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"run_dir: {self.run_dir} already holds a run (metrics.jsonl); choose another")
@@ -114,7 +124,9 @@ class Trainer:
         else:
             model = build_model(config.model, seed=config.seed)
         self.flops_per_token = model.flops_per_token(cfg.seq_len)
+        self.model_info = self._model_info(model)
         self.model: Transformer = self.runtime.parallelize(model, config.parallel, cfg.activation_checkpoint)
+        self.pipeline = self.runtime.pipeline  # None unless pp > 1: then self.model holds this rank's stages
         self.optimizer = config.optimizer.build(self.model)
         self.lr_at = config.lr_schedule.build(peak_lr=config.optimizer.lr, total_steps=config.steps)
         self.dtype = DTYPE[cfg.dtype]
@@ -127,12 +139,10 @@ class Trainer:
         if self.runtime.distributed:
             torch.distributed.barrier()
 
-    def _manifest(self) -> RunManifest:
-        model = self.model
-        manifest = RunManifest(
-            self.run_dir,
-            recipe=to_dict(self.config),
-            model={
+    def _model_info(self, model: Transformer) -> dict:
+        """What the manifest says of the model, taken before parallelism splits or shards it."""
+        return {
+            "model": {
                 "family": self.config.model.family,
                 "flavor": self.config.model.flavor,
                 "parameters": model.num_params(),
@@ -140,12 +150,18 @@ class Trainer:
                 "flops_per_token": self.flops_per_token,
                 "seq_len": self.config.training.seq_len,
             },
-        )
+            "attention": sorted({layer.attention.backend_name for layer in model.layers.values()}),
+            # forced_balanced ignores the router: its throughput is not learned routing's
+            "moe_routing": sorted({m.routing_mode for m in model.modules() if hasattr(m, "routing_mode")}) or None,
+        }
+
+    def _manifest(self) -> RunManifest:
+        info = self.model_info
+        manifest = RunManifest(self.run_dir, recipe=to_dict(self.config), model=info["model"])
         manifest.update(
             kernels={
-                "attention": sorted({layer.attention.backend_name for layer in model.layers.values()}),
-                # forced_balanced ignores the router: its throughput is not learned routing's
-                "moe_routing": sorted({m.routing_mode for m in model.modules() if hasattr(m, "routing_mode")}) or None,
+                "attention": info["attention"],
+                "moe_routing": info["moe_routing"],
                 "compute_dtype": self.config.training.dtype,
                 "autocast": self.dtype != torch.float32,
             },
@@ -189,6 +205,11 @@ class Trainer:
         for _ in range(cfg.grad_accum):
             with self.timer.stage("data"):
                 inputs, targets = next(batches)
+            if self.pipeline is not None:  # the schedule interleaves forward and backward
+                with self.timer.stage("forward_backward"), self._autocast():
+                    local = self.pipeline.step(inputs, targets, loss_scale=1.0 / cfg.grad_accum)
+                total_loss += self.runtime.mean_over_dp(self.pipeline.broadcast_loss(local)) / cfg.grad_accum
+                continue
             with self.runtime.loss_context():
                 with self.timer.stage("forward"), self._autocast():
                     main = lm_loss(self.model(inputs), targets)
@@ -216,6 +237,11 @@ class Trainer:
         for i, (inputs, targets) in enumerate(self.data.val.iter_epoch()):
             if limit is not None and i >= limit:
                 break
+            if self.pipeline is not None:
+                with self._autocast():
+                    loss = self.pipeline.broadcast_loss(self.pipeline.eval_loss(inputs, targets))
+                losses.append(self.runtime.mean_over_dp(loss))
+                continue
             with self.runtime.loss_context(), self._autocast():
                 losses.append(self.runtime.mean_over_dp(lm_loss(self.model(inputs), targets).detach()))
         self.model.train()
@@ -277,7 +303,7 @@ class Trainer:
                 shutil.copyfile(self.config.data.resolved_tokenizer_path(), self.run_dir / "tokenizer.json")
         sample = None
         # Sequence-parallel TP needs lengths divisible by tp; the quick full-prefix sampler does not pad.
-        if out.sample_tokens and self.runtime.dims.tp == 1:
+        if out.sample_tokens and self.runtime.dims.tp == 1 and self.pipeline is None:
             tok = self.data.tokenizer
             ids = greedy_continue(self.model, tok.encode(out.sample_prompt), out.sample_tokens,
                                   self.config.training.seq_len, stop_id=tok.eos_id)

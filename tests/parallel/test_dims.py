@@ -15,9 +15,9 @@ def test_auto_dp_shard_takes_the_remaining_ranks():
 
 
 def test_product_must_equal_world():
-    with pytest.raises(ConfigError, match=r"dp_replicate=1 x dp_shard=3 x tp=1 = 3, but the world size is 4"):
+    with pytest.raises(ConfigError, match=r"pp=1 x dp_replicate=1 x dp_shard=3 x tp=1 = 3, but the world size is 4"):
         ParallelConfig(dp_shard=3).resolve(4)
-    with pytest.raises(ConfigError, match=r"tp=3 = 3 does not divide the world size 4"):
+    with pytest.raises(ConfigError, match=r"tp=3 x pp=1 = 3 does not divide the world size 4"):
         ParallelConfig(tp=3).resolve(4)
 
 

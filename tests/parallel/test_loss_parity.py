@@ -33,8 +33,20 @@ def _train(run_dir, recipe, nproc=1, extra=()):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """One-process losses per (recipe, model flags), computed once each on first use."""
     root = tmp_path_factory.mktemp("ref")
-    return {recipe: _train(root / recipe, recipe)[0] for recipe in ("debug", "debug-qwen3", "debug-moe", "debug-deepseek")}
+    cache = {}
+
+    def get(recipe, model_flags=()):
+        key = (recipe, tuple(model_flags))
+        if key not in cache:
+            cache[key] = _train(root / f"{recipe}-{len(cache)}", recipe, extra=model_flags)[0]
+        return cache[key]
+
+    return get
+
+
+FOUR_LAYERS = ["--model.n-layers", "4"]  # interleaved / V schedules place 2 stages per rank
 
 
 LAYOUTS = [
@@ -48,13 +60,18 @@ LAYOUTS = [
     ("ep=2 x dp_shard=2 moe", "debug-moe", 2, ["--parallel.dp-shard", "2", "--parallel.ep", "2"]),
     # MLA + MoE whose aux-loss-free bias update must see the counts of both ranks, + MTP loss
     ("dp_shard=2 deepseek", "debug-deepseek", 2, ["--parallel.dp-shard", "2"]),
+    ("pp=2 1F1B", "debug", 2, ["--parallel.pp", "2"]),
+    ("pp=2 ZBVZeroBubble", "debug", 2, ["--parallel.pp", "2", "--parallel.pp-schedule", "ZBVZeroBubble", *FOUR_LAYERS]),
+    ("pp=2 x dp_shard=2 Interleaved1F1B", "debug", 4, ["--parallel.pp", "2", "--parallel.dp-shard", "2",
+                                                        "--parallel.pp-schedule", "Interleaved1F1B",
+                                                        "--parallel.pp-microbatches", "2", *FOUR_LAYERS]),
 ]
 
 
 @pytest.mark.parametrize("name, recipe, nproc, extra", LAYOUTS, ids=[l[0] for l in LAYOUTS])
 def test_layout_matches_one_process(tmp_path, reference, name, recipe, nproc, extra):
     losses, run_dir = _train(tmp_path / "run", recipe, nproc, extra)
-    expected = reference[recipe]
+    expected = reference(recipe, FOUR_LAYERS if "--model.n-layers" in extra else ())
     assert len(losses) == len(expected) == 5
     diffs = [abs(a - b) for a, b in zip(losses, expected)]
     assert max(diffs) <= 1e-5, (name, losses, expected)
