@@ -24,6 +24,10 @@ class ParallelConfig(Config):
     tp: int = 1
     #: expert-parallel degree for MoE layers, taken from the dp_shard ranks (routed experts split over ep)
     ep: int = 1
+    #: context-parallel degree: each sequence is sharded over cp ranks (causal load balancing)
+    cp: int = 1
+    #: context-parallel attention exchange: "allgather" (K/V gathered per layer) or "ring"
+    cp_method: str = "allgather"
     #: pipeline-parallel degree (layers split into stages by count)
     pp: int = 1
     #: pipeline schedule: "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV" or "GPipe"
@@ -42,18 +46,23 @@ class ParallelConfig(Config):
         require(self.tp >= 1, f"{path}.tp", f"must be >= 1, got {self.tp}")
         require(self.ep >= 1, f"{path}.ep", f"must be >= 1, got {self.ep}")
         require(self.pp >= 1, f"{path}.pp", f"must be >= 1, got {self.pp}")
+        require(self.cp >= 1, f"{path}.cp", f"must be >= 1, got {self.cp}")
+        require_choice(self.cp_method, ["allgather", "ring"], f"{path}.cp_method")
         require(self.pp_microbatches >= 0, f"{path}.pp_microbatches", f"must be >= 0, got {self.pp_microbatches}")
         require_choice(self.fsdp_param_dtype, ["float32", "bfloat16"], f"{path}.fsdp_param_dtype")
         require_choice(self.reshard_after_forward, ["always", "never", "except_last"],
                        f"{path}.reshard_after_forward")
 
     def resolve(self, world_size: int) -> "ParallelDims":
-        others = self.dp_replicate * self.tp * self.pp
+        others = self.dp_replicate * self.tp * self.pp * self.cp
         if world_size % others:
             raise ConfigError(
-                f"parallel: dp_replicate={self.dp_replicate} x tp={self.tp} x pp={self.pp} = {others} does not "
-                f"divide the world size {world_size}"
+                f"parallel: dp_replicate={self.dp_replicate} x tp={self.tp} x pp={self.pp} x cp={self.cp} = {others} "
+                f"does not divide the world size {world_size}"
             )
+        if self.cp > 1:
+            require(self.tp == 1 and self.pp == 1 and self.ep == 1, "parallel.cp",
+                    "context parallel with tp, pp or ep is not supported yet")
         if self.pp > 1:
             require(self.tp == 1 and self.ep == 1, "parallel.pp", "pipeline parallel with tp or ep is not supported yet")
         dp_shard = world_size // others if self.dp_shard == -1 else self.dp_shard
@@ -65,7 +74,7 @@ class ParallelConfig(Config):
                     f"(experts are left out of FSDP); got ep={self.ep}, dp_shard={dp_shard}, "
                     f"dp_replicate={self.dp_replicate}")
         dims = ParallelDims(dp_replicate=self.dp_replicate, dp_shard=dp_shard, tp=self.tp, world_size=world_size,
-                            ep=self.ep, pp=self.pp)
+                            ep=self.ep, pp=self.pp, cp=self.cp)
         dims.validate()
         return dims
 
@@ -78,13 +87,14 @@ class ParallelDims:
     world_size: int
     ep: int = 1
     pp: int = 1
+    cp: int = 1
 
     def validate(self) -> None:
-        product = self.pp * self.dp_replicate * self.dp_shard * self.tp
+        product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ConfigError(
-                f"parallel: pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
-                f"= {product}, but the world size is {self.world_size}"
+                f"parallel: pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} "
+                f"x tp={self.tp} = {product}, but the world size is {self.world_size}"
             )
 
     def check_model(self, n_heads: int, n_kv_heads: int, ffn_dim: int, vocab_size: int) -> None:
@@ -110,8 +120,9 @@ class ParallelDims:
             shard = [("dp_shard", self.dp_shard)] if self.dp_shard > 1 or self.dp_replicate > 1 else []
         rep = [("dp_replicate", self.dp_replicate)] if self.dp_replicate > 1 else []
         tp = [("tp", self.tp)] if self.tp > 1 else []
+        cp = [("cp", self.cp)] if self.cp > 1 else []  # cp ranks share a batch: not a data dim
         pp = [("pp", self.pp)] if self.pp > 1 else []  # outermost: a pipeline's stages are far apart
-        return pp + rep + shard + tp
+        return pp + rep + shard + cp + tp
 
     @property
     def data_dims(self) -> list[str]:

@@ -45,6 +45,7 @@ class ParallelRuntime:
         return self.world_size > 1
 
     pipeline: object | None = None
+    context: object | None = None  # a ContextParallel when cp > 1
 
     def parallelize(self, model: nn.Module, config: ParallelConfig, activation_checkpoint: str = "none") -> nn.Module:
         """The model's plan applied for this layout (one process: activation checkpointing only).
@@ -55,7 +56,13 @@ class ParallelRuntime:
         from lockstep.models.common.parallelize import parallelize_dense
 
         if self.dims.pp == 1:
-            return parallelize_dense(model, self.dims, self.mesh, config, activation_checkpoint)
+            model = parallelize_dense(model, self.dims, self.mesh, config, activation_checkpoint)
+            if self.dims.cp > 1:
+                from lockstep.parallel.context import ContextParallel
+
+                self.context = ContextParallel(self.mesh["cp"].get_group(), method=config.cp_method)
+                self.context.install(model)
+            return model
         from lockstep.parallel.checkpointing import apply_activation_checkpointing
         from lockstep.parallel.fsdp import apply_fsdp, dp_mesh
         from lockstep.parallel.pipeline import PipelineRunner
@@ -81,6 +88,11 @@ class ParallelRuntime:
             for p in expert_parameters(model):
                 if p.grad is not None:
                     p.grad.div_(self.dims.ep)
+
+    def sync_context_grads(self, model: nn.Module) -> None:
+        """cp ranks each backpropagate their share of one sequence's loss: sum their gradients."""
+        if self.context is not None:
+            self.context.all_reduce_grads(model.parameters())
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         if self.pipeline is not None:
@@ -132,7 +144,9 @@ class ParallelRuntime:
             "device": self.device_type,
             "backend": dist.get_backend() if dist.is_initialized() else None,
             "degrees": {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard, "tp": self.dims.tp,
-                        "ep": self.dims.ep, "pp": self.dims.pp},
+                        "ep": self.dims.ep, "pp": self.dims.pp, "cp": self.dims.cp},
+            "context_parallel": {"method": self.context.method, "load_balance": "chunks r and 2cp-1-r"}
+            if self.context is not None else None,
             "pipeline": {"schedule": self.pipeline.schedule_name, "n_stages": self.pipeline.n_stages,
                          "stages_on_this_rank": list(self.pipeline.stage_ids)} if self.pipeline is not None else None,
             "experts": f"routed experts split over ep={self.dims.ep}, outside FSDP" if self.dims.ep > 1 else None,

@@ -210,6 +210,16 @@ class Trainer:
                     local = self.pipeline.step(inputs, targets, loss_scale=1.0 / cfg.grad_accum)
                 total_loss += self.runtime.mean_over_dp(self.pipeline.broadcast_loss(local)) / cfg.grad_accum
                 continue
+            if self.runtime.context is not None:  # this rank's share of each sequence
+                inputs, targets, positions = self.runtime.context.shard_batch(inputs, targets)
+                with self.timer.stage("forward"), self._autocast():
+                    loss, main = self.runtime.context.cross_entropy(self.model(inputs, positions=positions), targets)
+                    aux_losses, aux_metrics = self.model.pop_auxiliary()
+                    loss = (loss + sum(aux_losses.values())) / cfg.grad_accum
+                with self.timer.stage("backward"):
+                    loss.backward()
+                total_loss += self.runtime.mean_over_dp(main) / cfg.grad_accum
+                continue
             with self.runtime.loss_context():
                 with self.timer.stage("forward"), self._autocast():
                     main = lm_loss(self.model(inputs), targets)
@@ -223,6 +233,7 @@ class Trainer:
                 extra[name] = extra.get(name, 0.0) + value / cfg.grad_accum
         with self.timer.stage("optimizer"):
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+            self.runtime.sync_context_grads(self.model)
             self.runtime.after_backward(self.model)
             grad_norm = float(self.runtime.clip_grad_norm(self.model, max_norm))
             self.optimizer.step()
@@ -240,6 +251,12 @@ class Trainer:
             if self.pipeline is not None:
                 with self._autocast():
                     loss = self.pipeline.broadcast_loss(self.pipeline.eval_loss(inputs, targets))
+                losses.append(self.runtime.mean_over_dp(loss))
+                continue
+            if self.runtime.context is not None:
+                inputs, targets, positions = self.runtime.context.shard_batch(inputs, targets)
+                with self._autocast():
+                    _, loss = self.runtime.context.cross_entropy(self.model(inputs, positions=positions), targets)
                 losses.append(self.runtime.mean_over_dp(loss))
                 continue
             with self.runtime.loss_context(), self._autocast():
@@ -303,7 +320,7 @@ class Trainer:
                 shutil.copyfile(self.config.data.resolved_tokenizer_path(), self.run_dir / "tokenizer.json")
         sample = None
         # Sequence-parallel TP needs lengths divisible by tp; the quick full-prefix sampler does not pad.
-        if out.sample_tokens and self.runtime.dims.tp == 1 and self.pipeline is None:
+        if out.sample_tokens and self.runtime.dims.tp == 1 and self.pipeline is None and self.runtime.context is None:
             tok = self.data.tokenizer
             ids = greedy_continue(self.model, tok.encode(out.sample_prompt), out.sample_tokens,
                                   self.config.training.seq_len, stop_id=tok.eos_id)

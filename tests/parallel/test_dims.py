@@ -15,9 +15,9 @@ def test_auto_dp_shard_takes_the_remaining_ranks():
 
 
 def test_product_must_equal_world():
-    with pytest.raises(ConfigError, match=r"pp=1 x dp_replicate=1 x dp_shard=3 x tp=1 = 3, but the world size is 4"):
+    with pytest.raises(ConfigError, match=r"pp=1 x dp_replicate=1 x dp_shard=3 x cp=1 x tp=1 = 3, but the world size is 4"):
         ParallelConfig(dp_shard=3).resolve(4)
-    with pytest.raises(ConfigError, match=r"tp=3 x pp=1 = 3 does not divide the world size 4"):
+    with pytest.raises(ConfigError, match=r"tp=3 x pp=1 x cp=1 = 3 does not divide the world size 4"):
         ParallelConfig(tp=3).resolve(4)
 
 
@@ -32,3 +32,11 @@ def test_tp_must_divide_heads_and_ffn():
 def test_validation_names_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         ParallelConfig(**kwargs).validate()
+
+
+def test_cp_is_a_mesh_dim_but_not_a_data_dim():
+    dims = ParallelConfig(cp=2).resolve(4)
+    assert dims.mesh_dims == [("dp_shard", 2), ("cp", 2)]
+    assert dims.data_dims == ["dp_shard"]  # both cp ranks of a replica read the same batch
+    with pytest.raises(ConfigError, match="parallel.cp: context parallel with tp"):
+        ParallelConfig(cp=2, tp=2).resolve(4)

@@ -60,6 +60,9 @@ LAYOUTS = [
     ("ep=2 x dp_shard=2 moe", "debug-moe", 2, ["--parallel.dp-shard", "2", "--parallel.ep", "2"]),
     # MLA + MoE whose aux-loss-free bias update must see the counts of both ranks, + MTP loss
     ("dp_shard=2 deepseek", "debug-deepseek", 2, ["--parallel.dp-shard", "2"]),
+    ("cp=2 allgather", "debug", 2, ["--parallel.cp", "2"]),
+    ("cp=2 ring x dp_shard=2", "debug", 4, ["--parallel.cp", "2", "--parallel.cp-method", "ring",
+                                             "--parallel.dp-shard", "2"]),
     ("pp=2 1F1B", "debug", 2, ["--parallel.pp", "2"]),
     ("pp=2 ZBVZeroBubble", "debug", 2, ["--parallel.pp", "2", "--parallel.pp-schedule", "ZBVZeroBubble", *FOUR_LAYERS]),
     ("pp=2 x dp_shard=2 Interleaved1F1B", "debug", 4, ["--parallel.pp", "2", "--parallel.dp-shard", "2",
