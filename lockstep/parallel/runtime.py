@@ -138,8 +138,17 @@ class ParallelRuntime:
             state.update({k: v.cpu() for k, v in gather_full_experts(model, self.mesh["ep"]).items()})
         return state
 
-    def describe(self) -> dict:
+    def describe(self, family: str | None = None, config: ParallelConfig | None = None) -> dict:
+        from lockstep.parallel.tested_layouts import matching_parity_test
+
+        d = self.dims
+        parity = None
+        if family is not None and config is not None and self.distributed:
+            parity = matching_parity_test({"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
+                                           "ep": d.ep, "pp": d.pp, "cp": d.cp}, family,
+                                          config.pp_schedule, config.cp_method)
         return {
+            "parity_test": parity or ("untested layout for this family" if self.distributed else None),
             "world_size": self.world_size,
             "device": self.device_type,
             "backend": dist.get_backend() if dist.is_initialized() else None,

@@ -180,7 +180,7 @@ class Trainer:
             },
             transforms=list(self.config.transforms),
             init_from={"name": self.config.init_from, "path": str(self.init_path)} if self.init_path else None,
-            parallel=self.runtime.describe(),
+            parallel=self.runtime.describe(self.config.model.family, self.config.parallel),
         )
         if self.config.output.parity_check:
             from lockstep.models.hf.parity import family_parity

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from lockstep.parallel.tested_layouts import FOUR_LAYERS, TESTED_LAYOUTS, degree_flags
+
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
 
 COMMON = ["--steps", "5", "--validation.every", "0", "--output.no-progress", "--output.sample-tokens", "0",
@@ -46,29 +48,8 @@ def reference(tmp_path_factory):
     return get
 
 
-FOUR_LAYERS = ["--model.n-layers", "4"]  # interleaved / V schedules place 2 stages per rank
-
-
-LAYOUTS = [
-    ("dp_shard=2", "debug", 2, ["--parallel.dp-shard", "2"]),
-    ("dp_replicate=2", "debug", 2, ["--parallel.dp-replicate", "2", "--parallel.dp-shard", "1"]),
-    ("tp=2", "debug", 2, ["--parallel.tp", "2"]),
-    ("tp=2 qwen3 (q/k norm, tied)", "debug-qwen3", 2, ["--parallel.tp", "2"]),
-    ("dp_shard=2 x tp=2", "debug", 4, ["--parallel.dp-shard", "2", "--parallel.tp", "2"]),
-    ("dp_replicate=2 x dp_shard=2 (HSDP)", "debug", 4, ["--parallel.dp-replicate", "2", "--parallel.dp-shard", "2"]),
-    ("dp_shard=2 moe", "debug-moe", 2, ["--parallel.dp-shard", "2"]),
-    ("ep=2 x dp_shard=2 moe", "debug-moe", 2, ["--parallel.dp-shard", "2", "--parallel.ep", "2"]),
-    # MLA + MoE whose aux-loss-free bias update must see the counts of both ranks, + MTP loss
-    ("dp_shard=2 deepseek", "debug-deepseek", 2, ["--parallel.dp-shard", "2"]),
-    ("cp=2 allgather", "debug", 2, ["--parallel.cp", "2"]),
-    ("cp=2 ring x dp_shard=2", "debug", 4, ["--parallel.cp", "2", "--parallel.cp-method", "ring",
-                                             "--parallel.dp-shard", "2"]),
-    ("pp=2 1F1B", "debug", 2, ["--parallel.pp", "2"]),
-    ("pp=2 ZBVZeroBubble", "debug", 2, ["--parallel.pp", "2", "--parallel.pp-schedule", "ZBVZeroBubble", *FOUR_LAYERS]),
-    ("pp=2 x dp_shard=2 Interleaved1F1B", "debug", 4, ["--parallel.pp", "2", "--parallel.dp-shard", "2",
-                                                        "--parallel.pp-schedule", "Interleaved1F1B",
-                                                        "--parallel.pp-microbatches", "2", *FOUR_LAYERS]),
-]
+LAYOUTS = [(test_id, recipe, world, degree_flags(degrees) + flags)
+           for test_id, recipe, world, degrees, flags in TESTED_LAYOUTS]
 
 
 @pytest.mark.parametrize("name, recipe, nproc, extra", LAYOUTS, ids=[l[0] for l in LAYOUTS])
@@ -80,4 +61,5 @@ def test_layout_matches_one_process(tmp_path, reference, name, recipe, nproc, ex
     assert max(diffs) <= 1e-5, (name, losses, expected)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["parallel"]["world_size"] == nproc
+    assert manifest["parallel"]["parity_test"].endswith(f"[{name}]")  # the manifest names this test
     assert (run_dir / "logs" / f"rank{nproc - 1}.jsonl").is_file()  # per-rank logs

@@ -1,0 +1,64 @@
+"""The parallel layouts proven by loss-parity tests, in one list the test and the manifest share.
+
+Each entry: test id, recipe, world size, degrees (ParallelConfig fields that differ from the
+defaults) and extra CLI flags. ``tests/parallel/test_loss_parity.py`` runs every entry against one
+process; a run's manifest names the entry its layout corresponds to, or says it has none.
+"""
+
+from __future__ import annotations
+
+FOUR_LAYERS = ["--model.n-layers", "4"]  # interleaved / V schedules place 2 stages per rank
+
+TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
+    ("dp_shard=2", "debug", 2, {"dp_shard": 2}, []),
+    ("dp_replicate=2", "debug", 2, {"dp_replicate": 2, "dp_shard": 1}, []),
+    ("tp=2", "debug", 2, {"tp": 2}, []),
+    ("tp=2 qwen3 (q/k norm, tied)", "debug-qwen3", 2, {"tp": 2}, []),
+    ("dp_shard=2 x tp=2", "debug", 4, {"dp_shard": 2, "tp": 2}, []),
+    ("dp_replicate=2 x dp_shard=2 (HSDP)", "debug", 4, {"dp_replicate": 2, "dp_shard": 2}, []),
+    ("dp_shard=2 moe", "debug-moe", 2, {"dp_shard": 2}, []),
+    ("ep=2 x dp_shard=2 moe", "debug-moe", 2, {"dp_shard": 2, "ep": 2}, []),
+    # MLA + MoE whose aux-loss-free bias update must see the counts of both ranks, + MTP loss
+    ("dp_shard=2 deepseek", "debug-deepseek", 2, {"dp_shard": 2}, []),
+    ("cp=2 allgather", "debug", 2, {"cp": 2}, []),
+    ("cp=2 ring x dp_shard=2", "debug", 4, {"cp": 2, "cp_method": "ring", "dp_shard": 2}, []),
+    ("pp=2 1F1B", "debug", 2, {"pp": 2}, []),
+    ("pp=2 ZBVZeroBubble", "debug", 2, {"pp": 2, "pp_schedule": "ZBVZeroBubble"}, FOUR_LAYERS),
+    ("pp=2 x dp_shard=2 Interleaved1F1B", "debug", 4,
+     {"pp": 2, "dp_shard": 2, "pp_schedule": "Interleaved1F1B", "pp_microbatches": 2}, FOUR_LAYERS),
+]
+
+_DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")
+
+
+def degree_flags(degrees: dict) -> list[str]:
+    """CLI flags for a degrees dict, e.g. {"dp_shard": 2} -> ["--parallel.dp-shard", "2"]."""
+    flags: list[str] = []
+    for key, value in degrees.items():
+        flags += [f"--parallel.{key.replace('_', '-')}", str(value)]
+    return flags
+
+
+def matching_parity_test(resolved: dict, family: str, schedule: str, cp_method: str) -> str | None:
+    """The test id proving a layout with these resolved degrees, for this model family."""
+    from lockstep.recipes import get_recipe
+
+    for test_id, recipe, world, degrees, _ in TESTED_LAYOUTS:
+        if get_recipe(recipe).config().model.family != family:
+            continue
+        want = {k: 1 for k in _DEGREES} | {"dp_shard": world // max(1, _product(degrees))} | degrees
+        if any(want[k] != resolved[k] for k in _DEGREES):
+            continue
+        if resolved["pp"] > 1 and degrees.get("pp_schedule", "1F1B") != schedule:
+            continue
+        if resolved["cp"] > 1 and degrees.get("cp_method", "allgather") != cp_method:
+            continue
+        return f"tests/parallel/test_loss_parity.py::test_layout_matches_one_process[{test_id}]"
+    return None
+
+
+def _product(degrees: dict) -> int:
+    out = 1
+    for key in ("dp_replicate", "tp", "pp", "cp"):
+        out *= degrees.get(key, 1)
+    return out
