@@ -23,7 +23,7 @@ def debug() -> TrainerConfig:
     )
 
 
-@recipe("shakespeare", "llama3 tiny (6.8M params) on Shakespeare in bf16: the `make run` default, ~4 min on 2 cores")
+@recipe("shakespeare", "llama3 tiny (6.8M params) on Shakespeare in bf16: the `make run` default, ~6 min on 2 cores")
 def shakespeare() -> TrainerConfig:
     return TrainerConfig(
         steps=600,
