@@ -83,6 +83,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.parallel.pipeline import layer_ranges  # the split the runner uses
 from lockstep.config.base import ConfigError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -173,17 +174,6 @@ class Layout:
         if self.ep > 1:
             text += f"; ep={self.ep} inside dp_shard (experts FSDP over dp_shard/ep={self.expert_fsdp})"
         return text
-
-
-def layer_ranges(n_layers: int, pp: int) -> list[range]:
-    """Contiguous layer indices per stage, split by count; earlier stages take the remainder."""
-    base, extra = divmod(n_layers, pp)
-    out, start = [], 0
-    for s in range(pp):
-        size = base + (1 if s < extra else 0)
-        out.append(range(start, start + size))
-        start += size
-    return out
 
 
 # ------------------------------------------------------------------------------------- parameters
