@@ -11,7 +11,7 @@ from lockstep.observe.manifest import (
 )
 from lockstep.observe.memory import current_rss_bytes, memory_metrics, peak_rss_bytes
 from lockstep.observe.metrics import MetricsWriter, read_metrics, sanitize_record
-from lockstep.observe.mfu import mfu, tokens_per_second, transformer_flops_per_token
+from lockstep.observe.mfu import mfu, tokens_per_second
 from lockstep.observe.peak import cache_dir, peak_matmul_flops, peak_matmul_record
 from lockstep.observe.timer import StageTimer
 
@@ -50,7 +50,6 @@ __all__ = [
     "read_metrics",
     "sanitize_record",
     "tokens_per_second",
-    "transformer_flops_per_token",
 ]
 
 

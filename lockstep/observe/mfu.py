@@ -24,12 +24,3 @@ def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float
                          f"{tokens_per_s}, {flops_per_token}")
     return tokens_per_s * flops_per_token / peak_flops
 
-
-def transformer_flops_per_token(
-    n_params: int, n_layers: int, d_model: int, seq_len: int, *, training: bool = True
-) -> float:
-    """The PaLM-appendix estimate: ``6N + 12·L·d·T`` per trained token (``2N + 4·L·d·T`` for a
-    forward pass only). ``n_params`` should count the matmul weights (non-embedding parameters
-    plus the LM head); the attention term counts the full T×T score matrix, as PaLM does."""
-    per_pass = 2.0 * n_params + 4.0 * n_layers * d_model * seq_len
-    return 3.0 * per_pass if training else per_pass

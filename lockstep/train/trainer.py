@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import random
 import shutil
 import time
@@ -33,6 +32,7 @@ from lockstep.observe import (
     peak_matmul_record,
     peak_rss_bytes,
     plot_loss,
+    read_metrics,
 )
 from lockstep.parallel.runtime import ParallelRuntime
 from lockstep.train.config import TrainerConfig
@@ -305,8 +305,6 @@ class Trainer:
         return self._finish(losses, val_losses)
 
     def _finish(self, losses: list[float], val_losses: dict[int, float]) -> TrainResult:
-        from lockstep.observe import read_metrics
-
         main = self.runtime.is_main
         out = self.config.output
         if main:

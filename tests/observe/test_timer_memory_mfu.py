@@ -11,7 +11,6 @@ from lockstep.observe import (
     mfu,
     peak_rss_bytes,
     tokens_per_second,
-    transformer_flops_per_token,
 )
 
 
@@ -63,5 +62,3 @@ def test_mfu_arithmetic():
     assert mfu(1000.0, 6e9, 1.2e13) == pytest.approx(0.5)
     with pytest.raises(ValueError):
         mfu(1.0, 1.0, 0.0)
-    assert transformer_flops_per_token(100, 2, 8, 16) == 6 * 100 + 12 * 2 * 8 * 16
-    assert transformer_flops_per_token(100, 2, 8, 16, training=False) == 2 * 100 + 4 * 2 * 8 * 16

@@ -13,7 +13,7 @@ import math
 import torch
 from torch import nn
 
-from lockstep.config.base import Config, ConfigError, require, require_positive
+from lockstep.config.base import Config, require, require_positive
 from lockstep.config.overrides import ComponentOverride, apply_overrides
 from lockstep.models.common.attention import AttentionConfig
 from lockstep.models.common.mlp import FeedForwardConfig, SwiGLUConfig
