@@ -30,6 +30,8 @@ def _train_parser() -> argparse.ArgumentParser:
                         "'layers.*.attention=attention,backend=reference'")
     parser.add_argument("--nproc", type=int, default=1,
                         help="run as N local torchrun workers (gloo on CPU, NCCL on GPU)")
+    parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                        help="save a full-state checkpoint every N steps and at the end (= --checkpoint.every)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--help-fields", action="store_true", help="list every config field flag and exit")
     parser.add_argument("-h", "--help", action="store_true")
@@ -57,6 +59,9 @@ def resolve_config(argv: list[str]):
         if unknown:
             raise ConfigError(f"unknown flag(s) {unknown}; see `lockstep train --help-fields`")
         config = tyro.cli(TrainerConfig, default=config, args=field_args, prog="lockstep train")
+    if args.checkpoint_every is not None:
+        config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint,
+                                                                            every=args.checkpoint_every))
     model = config.model
     parsed = [parse_override(spec, bases=[model.attention, model.feed_forward, model.norm])
               for spec in args.override]
@@ -121,6 +126,10 @@ def cmd_train(argv: list[str]) -> int:
     from lockstep.train.trainer import Trainer
 
     trainer = Trainer(config)
+    if trainer.resumed and trainer.runtime.is_main:
+        r = trainer.resumed
+        print(f"resuming {trainer.run_dir} from the step {r['from_step']} checkpoint in {r['storage']} "
+              f"(saved by {r['saved_world_size']} rank(s), now {r['world_size']})", flush=True)
     result = trainer.fit()
     if not trainer.runtime.is_main:
         finish(0)

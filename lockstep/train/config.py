@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.config.base import Config, require, require_choice, require_positive
 from lockstep.data.config import DataConfig
 from lockstep.models.common.transformer import TransformerConfig
@@ -78,8 +79,12 @@ class TrainerConfig(Config):
 
     #: the recipe this config came from (informational)
     recipe: str = "custom"
-    #: optimizer steps to run
+    #: optimizer steps to run (the LR schedule spans them)
     steps: int = 100
+    #: end this invocation after this step, as an interruption would (0 = run to ``steps``)
+    stop_after: int = 0
+    #: continue from the latest complete checkpoint in run_dir (or checkpoint.storage)
+    resume: bool = False
     #: seed of weights init, data order and everything random
     seed: int = 0
     #: run directory; empty means runs/<recipe>-<timestamp>
@@ -102,12 +107,17 @@ class TrainerConfig(Config):
     output: OutputConfig = dataclasses.field(default_factory=OutputConfig)
     #: parallel layout across processes (torchrun); all 1 = one process
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    #: periodic full-state checkpoints
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     #: names of the model-config transforms that were applied, in order (recorded, not re-applied)
     transforms: list[str] = dataclasses.field(default_factory=list)
 
     def validate(self, path: str = "") -> None:
         require_positive(self.steps, "steps")
         require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
+        require(0 <= self.stop_after <= self.steps, "stop_after", f"must be in [0, steps={self.steps}], "
+                f"got {self.stop_after}")
+        require(not self.resume or bool(self.run_dir), "resume", "needs --run-dir: the run to continue")
         require(
             self.training.seq_len <= self.model.max_seq_len,
             "training.seq_len",
@@ -126,3 +136,4 @@ class TrainerConfig(Config):
         self.validation.validate("validation")
         self.output.validate("output")
         self.parallel.validate("parallel")
+        self.checkpoint.validate("checkpoint")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import random
 import shutil
@@ -51,6 +52,16 @@ class TrainResult:
 
 def default_run_dir(recipe: str) -> Path:
     return Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def truncate_metrics(path: Path, step: int) -> dict[int, float]:
+    """Drop records past ``step`` (written after the checkpoint a run resumes from); returns the
+    kept validation losses."""
+    if not path.exists():
+        return {}
+    kept = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+    path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    return {r["step"]: r["val_loss"] for r in kept if "val_loss" in r}
 
 
 def seed_everything(seed: int) -> None:
@@ -98,8 +109,15 @@ class Trainer:
             except ValueError as err:
                 raise ConfigError("parallel." + str(err).replace("n_microbatches:", "pp_microbatches:", 1)) from None
         self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.recipe)
-        if (self.run_dir / "metrics.jsonl").exists():
-            raise ConfigError(f"run_dir: {self.run_dir} already holds a run (metrics.jsonl); choose another")
+        if config.resume:
+            from lockstep.train.checkpointing import has_checkpoint
+
+            if has_checkpoint(config.checkpoint, self.run_dir) is None:
+                raise ConfigError(f"resume: no complete checkpoint in "
+                                  f"{config.checkpoint.location(self.run_dir)} to continue from")
+        elif (self.run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"run_dir: {self.run_dir} already holds a run (metrics.jsonl); choose another, "
+                              "or --resume it")
         self._barrier()  # nobody creates the run dir before every rank has checked it was free
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # resolved before the data: a pretrained model's tokenizer lives in its directory
@@ -133,6 +151,16 @@ class Trainer:
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum  # global, all ranks
         self.peak = peak_matmul_record(self.dtype, torch.get_num_threads())
         self.timer = StageTimer()
+        self.checkpointing = None
+        self.start_step, self.resumed = 0, None
+        if config.checkpoint.every or config.resume:
+            from lockstep.train.checkpointing import TrainCheckpointing
+
+            self.checkpointing = TrainCheckpointing(self)
+            self._barrier()  # rank 0 has cleared interrupted saves before anyone writes
+            if config.resume:
+                self.resumed = self.checkpointing.resume()
+                self.start_step = self.resumed["from_step"]
         self.manifest = self._manifest() if self.runtime.is_main else None
 
     def _barrier(self) -> None:
@@ -180,6 +208,10 @@ class Trainer:
             },
             transforms=list(self.config.transforms),
             init_from={"name": self.config.init_from, "path": str(self.init_path)} if self.init_path else None,
+            resumed=self.resumed,
+            checkpoint={"every": self.config.checkpoint.every, "mode": self.config.checkpoint.mode,
+                        "storage": self.checkpointing.checkpointer.storage.describe()}
+            if self.checkpointing is not None else None,
             parallel=self.runtime.describe(self.config.model.family, self.config.parallel),
         )
         if self.config.output.parity_check:
@@ -265,23 +297,33 @@ class Trainer:
         return sum(losses) / max(len(losses), 1)
 
     def fit(self) -> TrainResult:
+        try:
+            return self._fit()
+        finally:
+            if self.checkpointing is not None:
+                self.checkpointing.close()  # finishes an in-flight save
+
+    def _fit(self) -> TrainResult:
         cfg, steps = self.config, self.config.steps
+        last = cfg.stop_after or steps
         batches = iter(self.data.train)
         losses: list[float] = []
         val_losses: dict[int, float] = {}
         main = self.runtime.is_main
-        bar = ProgressBar(steps, desc=cfg.recipe, enabled=cfg.output.progress and main)
-        initial_val = self.evaluate() if cfg.validation.every else None
-        if initial_val is not None:
-            val_losses[0] = initial_val
+        bar = ProgressBar(last, desc=cfg.recipe, enabled=cfg.output.progress and main)
         # rank 0 writes the run's metrics; other ranks keep their own log beside it
         log_path = self.run_dir / ("metrics.jsonl" if main else f"logs/rank{self.runtime.rank}.jsonl")
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.resumed:
+            val_losses = truncate_metrics(log_path, self.start_step)
+        initial_val = self.evaluate() if cfg.validation.every and not self.resumed else None
+        if initial_val is not None:
+            val_losses[0] = initial_val
         with MetricsWriter(log_path) as writer:
             if initial_val is not None:
                 writer.write({"step": 0, "val_loss": initial_val})
             self.model.train()
-            for step in range(1, steps + 1):
+            for step in range(self.start_step + 1, last + 1):
                 started = time.perf_counter()
                 record = {"step": step, **self.train_step(step, batches)}
                 stages = self.timer.pop()
@@ -301,6 +343,11 @@ class Trainer:
                 losses.append(record["loss"])
                 writer.write(record)
                 bar.update(step, loss=record["loss"], tokens_per_s=tokens_per_s)
+                if self.checkpointing is not None:
+                    if self.checkpointing.due(step, last):
+                        self.checkpointing.save(step)
+                    for ckpt in self.checkpointing.records(wait=step == last):
+                        writer.write({"step": step, **ckpt})
         bar.close()
         return self._finish(losses, val_losses)
 

@@ -1,0 +1,233 @@
+"""The trainer's side of checkpointing: stage, hand off, wait; and load (with resharding).
+
+``save(step, slots, rank_state)`` blocks only to copy the state into a pre-allocated staging
+buffer (shared memory, reused by every save), then hands a small job to the background writer
+process; a save first waits for the previous one (at most one in flight, since they share the
+buffer). ``poll``/``wait`` report finished saves with their timings. ``load`` reads the newest
+complete checkpoint into any layout's tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from lockstep.checkpoint.format import INDEX, LATEST, CheckpointError, DTYPE_NAMES, parse_step_dir, plan_shards
+from lockstep.checkpoint.layout import Slot, owned_chunks
+from lockstep.checkpoint.storage import Storage
+from lockstep.checkpoint.writer import SaveJob, WritePlan, complete_steps, remove_incomplete, run_job, writer_main
+
+
+@dataclasses.dataclass
+class SaveStats:
+    """One save, as reported to metrics: ``blocking_ms`` is what the trainer waited for."""
+
+    step: int
+    blocking_ms: float
+    write_s: float = 0.0
+    bytes: int = 0
+    error: str | None = None
+
+    def record(self) -> dict:
+        out = {"checkpoint/step": self.step, "checkpoint/blocking_ms": self.blocking_ms,
+               "checkpoint/write_s": self.write_s, "checkpoint/bytes": self.bytes,
+               "checkpoint/mb_per_s": self.bytes / 1e6 / self.write_s if self.write_s else 0.0}
+        if self.error:
+            out["checkpoint/error"] = self.error
+        return out
+
+
+class Checkpointer:
+    """Saves and loads sharded checkpoints in ``storage``; one per rank, created on every rank."""
+
+    def __init__(self, storage: Storage, *, rank: int = 0, world_size: int = 1, keep: int = 3,
+                 mode: str = "process", max_file_bytes: int = 1 << 30, commit_timeout_s: float = 600.0) -> None:
+        if mode not in ("process", "sync"):
+            raise ValueError(f"checkpoint.mode: must be 'process' or 'sync', got {mode!r}")
+        self.storage, self.rank, self.world_size = storage, rank, world_size
+        self.keep, self.mode, self.max_file_bytes, self.commit_timeout_s = keep, mode, max_file_bytes, commit_timeout_s
+        self._plan: WritePlan | None = None
+        self._plan_key: tuple | None = None
+        self._buffer: torch.Tensor | None = None
+        self._views: dict[str, torch.Tensor] = {}
+        self._in_flight: SaveStats | None = None
+        self._done: list[SaveStats] = []
+        self._proc = None
+        if rank == 0:
+            removed = remove_incomplete(storage)
+            if removed:
+                warnings.warn(f"checkpoint: removed incomplete saves {removed} from {storage.describe()}",
+                              stacklevel=2)
+        if mode == "process":
+            self._start_writer()  # spawning takes a second or two: start before the first save
+
+    # -- saving -------------------------------------------------------------------------------
+
+    def save(self, step: int, slots: dict[str, Slot], rank_state: dict, metadata: dict | None = None) -> SaveStats:
+        """Stage ``slots`` and start writing checkpoint ``step``; every rank calls it at the same step."""
+        started = time.perf_counter()
+        self._wait_in_flight()
+        self._ensure_plan(slots)
+        with torch.no_grad():
+            for name, view in self._views.items():
+                view.copy_(slots[name].tensor.detach().reshape(view.shape))
+        job = SaveJob(step, rank_state, metadata or {})
+        if self.mode == "sync":
+            result = run_job(self.storage, self._plan, job, self._memoryview())
+            stats = SaveStats(step, (time.perf_counter() - started) * 1e3, result["write_s"], result["bytes"])
+            self._done.append(stats)
+            return stats
+        self._ensure_writer_alive()
+        self._jobs.put(("save", job))
+        self._in_flight = SaveStats(step, (time.perf_counter() - started) * 1e3)
+        return self._in_flight
+
+    def poll(self) -> list[SaveStats]:
+        """Saves finished since the last call (non-blocking)."""
+        self._collect(block=False)
+        done, self._done = self._done, []
+        return done
+
+    def wait(self) -> list[SaveStats]:
+        """Block until the in-flight save (if any) is written; returns finished saves."""
+        self._wait_in_flight()
+        return self.poll()
+
+    def close(self, abandon: bool = False) -> list[SaveStats]:
+        """Finish the in-flight save (or, with ``abandon``, kill it: it stays invisible) and stop the writer."""
+        if self._proc is None:
+            return self.poll()
+        if abandon:
+            self._proc.kill()
+            self._in_flight = None
+        else:
+            self._wait_in_flight()
+            self._jobs.put(("stop",))
+        self._proc.join(timeout=30)
+        self._proc = None
+        return self.poll()
+
+    def _wait_in_flight(self) -> None:
+        while self._in_flight is not None:
+            self._collect(block=True)
+
+    def _collect(self, block: bool) -> None:
+        if self._in_flight is None:
+            return
+        try:
+            kind, payload = self._results.get(timeout=0.1 if block else 0)
+        except queue.Empty:
+            if self._proc is not None and not self._proc.is_alive():
+                stats, self._in_flight = self._in_flight, None
+                stats.error = (f"the checkpoint writer process died (exit code {self._proc.exitcode}) while writing "
+                               f"step {stats.step}; that checkpoint is not visible, earlier ones are intact")
+                warnings.warn("checkpoint: " + stats.error, stacklevel=3)
+                self._done.append(stats)
+                self._start_writer()
+            return
+        stats, self._in_flight = self._in_flight, None
+        if kind == "done":
+            stats.write_s, stats.bytes = payload["write_s"], payload["bytes"]
+        else:
+            stats.error = payload["error"]
+            warnings.warn(f"checkpoint: saving step {stats.step} failed: {payload['error']}", stacklevel=3)
+        self._done.append(stats)
+
+    def _start_writer(self) -> None:
+        ctx = torch.multiprocessing.get_context("spawn")
+        self._jobs, self._results = ctx.Queue(), ctx.Queue()
+        self._proc = ctx.Process(target=writer_main, args=(self.storage, self._jobs, self._results, os.getpid()),
+                                 daemon=True, name=f"lockstep-ckpt-writer-{self.rank}")
+        self._proc.start()
+        if self._plan is not None:
+            self._jobs.put(("plan", self._plan, self._buffer))
+
+    def _ensure_writer_alive(self) -> None:
+        if not self._proc.is_alive():
+            self._start_writer()
+
+    @property
+    def writer_pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def _memoryview(self) -> memoryview:
+        return memoryview(self._buffer.numpy()).cast("B") if self._buffer.numel() else memoryview(b"")
+
+    def _ensure_plan(self, slots: dict[str, Slot]) -> None:
+        key = tuple(sorted((n, s.signature()) for n, s in slots.items()))
+        if key == self._plan_key:
+            return
+        mine = {n: s.signature() for n, s in slots.items()}
+        tables = [mine]
+        if self.world_size > 1:  # one collective, on the first save only
+            tables = [None] * self.world_size
+            dist.all_gather_object(tables, mine)
+        files_of = {}
+        for r in (range(self.world_size) if self.rank == 0 else [self.rank]):
+            owned = owned_chunks(tables, r)
+            files_of[r], size = plan_shards([(n, tables[r][n][3], tables[r][n][2]) for n in owned],
+                                            f"rank-{r:05d}", self.max_file_bytes)
+            if r == self.rank:
+                my_size = size
+        tensors = _index_table(tables, files_of) if self.rank == 0 else None
+        self._plan = WritePlan(self.rank, self.world_size, files_of[self.rank], tensors, self.keep,
+                               self.commit_timeout_s)
+        self._buffer = torch.empty(my_size, dtype=torch.uint8)
+        if self.mode == "process":
+            self._buffer.share_memory_()
+        self._views = {}
+        for shard in self._plan.files:
+            for e in shard.entries:
+                self._views[e.key] = self._buffer[e.begin:e.begin + e.nbytes].view(e.dtype).view(e.shape)
+        self._plan_key = key
+        if self.mode == "process":
+            self._jobs.put(("plan", self._plan, self._buffer))
+
+    # -- loading ------------------------------------------------------------------------------
+
+    def latest_step(self) -> int | None:
+        return latest_step(self.storage)
+
+    def load(self, slots: dict[str, Slot], step: int | None = None) -> tuple[int, dict, dict]:
+        """Fill ``slots`` from checkpoint ``step`` (default: the latest complete one); returns
+        (step, this rank's saved state (rank 0's when the saving run had fewer ranks), metadata)."""
+        return load_into(self.storage, slots, step, self.rank)
+
+
+def _index_table(tables: list[dict], files_of: dict[int, list]) -> dict[str, dict]:
+    file_of = {(r, e.key): shard.name for r, shards in files_of.items() for shard in shards for e in shard.entries}
+    out: dict[str, dict] = {}
+    for r, table in enumerate(tables):
+        for name, (global_shape, offsets, shape, dtype) in table.items():
+            if (r, name) not in file_of:
+                continue
+            entry = out.setdefault(name, {"dtype": DTYPE_NAMES[dtype], "shape": list(global_shape), "chunks": []})
+            entry["chunks"].append({"file": file_of[(r, name)], "offsets": list(offsets), "shape": list(shape)})
+    return out
+
+
+def latest_step(storage: Storage) -> int | None:
+    """The step the ``latest`` marker names if that checkpoint is complete, else the newest complete one."""
+    if storage.exists(LATEST):
+        step = parse_step_dir(storage.get(LATEST).decode().strip())
+        if step is not None and storage.exists(f"{storage.get(LATEST).decode().strip()}/{INDEX}"):
+            newer = [s for s in complete_steps(storage) if s > step]
+            return max(newer) if newer else step
+    steps = complete_steps(storage)
+    return steps[-1] if steps else None
+
+
+def load_into(storage: Storage, slots: dict[str, Slot], step: int | None, rank: int) -> tuple[int, dict, dict]:
+    from lockstep.checkpoint.reader import read_checkpoint
+
+    if step is None:
+        step = latest_step(storage)
+        if step is None:
+            raise CheckpointError(f"{storage.describe()}: no complete checkpoint to load")
+    return (step, *read_checkpoint(storage, step, slots, rank))

@@ -1,0 +1,132 @@
+"""The full training state as checkpoint slots and JSON: model, optimizer, RNG, data loader.
+
+Tensors are named ``model/<fqn>`` and ``optimizer/<fqn>/<state>`` with the FQNs of the unsplit
+``Transformer`` (wrappers such as activation checkpointing are stripped; pipeline stages keep the
+global layer names; a tied head is stored once, under the embedding), so any parallel layout
+names them identically and loads any other's. Slots alias the live tensors: loading writes in
+place into parameters, buffers and optimizer state.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+
+import numpy as np
+import torch
+from torch import nn
+
+from lockstep.checkpoint.layout import Slot
+
+_WRAPPERS = ("._checkpoint_wrapped_module", "._orig_mod", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def clean_fqn(name: str) -> str:
+    for w in _WRAPPERS:
+        name = name.replace(w, "")
+    return name
+
+
+def _parts(model: nn.Module) -> list[nn.Module]:
+    """Pipeline ranks hold a ModuleList of stages whose own FQNs are the global ones."""
+    if isinstance(model, nn.ModuleList):
+        return list(model)
+    return [model]
+
+
+def _expert_rows(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """fqn -> (global experts, first local expert) of expert-parallel weights (plain local slices)."""
+    out = {}
+    for part in _parts(module):
+        for prefix, m in part.named_modules():
+            if hasattr(m, "n_global_experts") and hasattr(m, "expert_offset"):
+                for pname, _ in m.named_parameters(recurse=False):
+                    out[clean_fqn(f"{prefix}.{pname}")] = (m.n_global_experts, m.expert_offset)
+    return out
+
+
+def _slot(tensor: torch.Tensor, fqn: str, experts: dict[str, tuple[int, int]]) -> Slot:
+    if fqn in experts:
+        rows, offset = experts[fqn]
+        return Slot.row_slice(tensor, rows, offset)
+    return Slot.of(tensor)
+
+
+def param_fqns(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> its (first) clean FQN; tied parameters appear once."""
+    out: dict[int, str] = {}
+    for part in _parts(model):
+        for name, p in part.named_parameters(remove_duplicate=False):
+            out.setdefault(id(p), clean_fqn(name))
+    return out
+
+
+def model_slots(model: nn.Module) -> dict[str, Slot]:
+    experts = _expert_rows(model)
+    slots: dict[str, Slot] = {}
+    seen: set[int] = set()
+    for part in _parts(model):
+        for name, t in part.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue  # tied weights: once
+            seen.add(id(t))
+            fqn = clean_fqn(name)
+            slots[f"model/{fqn}"] = _slot(t.data if isinstance(t, nn.Parameter) else t, fqn, experts)
+    return slots
+
+
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create AdamW's state (as its first step would) so a checkpoint can be loaded into it."""
+    if not isinstance(optimizer, torch.optim.AdamW):
+        raise TypeError(f"checkpointing supports AdamW optimizer state, got {type(optimizer).__name__}")
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state[p]
+            if not state:
+                fused = group.get("fused") or group.get("capturable")
+                state["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if fused
+                                 else torch.tensor(0.0, dtype=torch.float32))
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Slot]:
+    fqns = param_fqns(model)
+    experts = _expert_rows(model)
+    slots: dict[str, Slot] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            fqn = fqns[id(p)]
+            for key, value in optimizer.state[p].items():
+                if isinstance(value, torch.Tensor):
+                    slots[f"optimizer/{fqn}/{key}"] = _slot(value, fqn, experts) if value.ndim else Slot.of(value)
+    return slots
+
+
+def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Hyperparameters per group, with member FQNs (recorded; the recipe rebuilds the groups)."""
+    fqns = param_fqns(model)
+    return [{**{k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, tuple, list))},
+             "params": [fqns[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
+
+
+def rng_state() -> dict:
+    """torch, numpy and Python RNG states as JSON."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "cached_gaussian": float(cached)},
+        "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    raw = base64.b64decode(state["torch"])
+    torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    n = state["numpy"]
+    np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"]), p["gauss_next"]))

@@ -1,0 +1,164 @@
+"""Serialising a staged checkpoint to storage, in a background process or inline.
+
+``write_rank_part`` writes one rank's shards (header + bytes straight from the shared staging
+buffer, sha256 computed on the way) and then its ``rank-NNNNN.json``. Rank 0 then ``commit``s:
+it waits for every rank's JSON, writes ``index.json``, publishes the directory, advances the
+``latest`` marker and prunes old checkpoints. A crash at any point before the publish leaves only
+a staging directory, which readers never look at and the next run deletes.
+
+``writer_main`` is the background process: it receives the staging buffer once (shared memory)
+and then small save jobs; it finishes a job even if the trainer dies (the buffer stays mapped),
+and exits when the trainer is gone and nothing is left to write.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import time
+import traceback
+
+import torch
+
+from lockstep.checkpoint.format import (
+    FORMAT, INDEX, LATEST, VERSION, CheckpointError, ShardFile, digest, file_chunks, parse_step_dir,
+    rank_state_file, step_dir,
+)
+
+
+@dataclasses.dataclass
+class WritePlan:
+    """What a rank writes for every save with this layout (fixed until shapes change)."""
+
+    rank: int
+    world_size: int
+    files: list[ShardFile]
+    #: rank 0 only: every tensor's dtype, global shape and chunks, for the index
+    tensors: dict[str, dict] | None
+    keep: int
+    commit_timeout_s: float
+
+
+@dataclasses.dataclass
+class SaveJob:
+    step: int
+    rank_state: dict  # JSON-ready: RNG states, data loader, ...
+    metadata: dict  # JSON-ready, rank 0: family, config, ...
+
+
+def write_rank_part(storage, plan: WritePlan, job: SaveJob, buffer: memoryview) -> int:
+    """Write this rank's shards and state file under the staging prefix; returns bytes written."""
+    staging = storage.staging_prefix(step_dir(job.step))
+    files: dict[str, dict] = {}
+    for shard in plan.files:
+        chunks = file_chunks(shard, buffer)
+        sha, size = digest(chunks)
+        storage.put(f"{staging}/{shard.name}", chunks)
+        files[shard.name] = {"sha256": sha, "bytes": size}
+    state = json.dumps({"rank": plan.rank, "step": job.step, "files": files, "state": job.rank_state}).encode()
+    storage.put(f"{staging}/{rank_state_file(plan.rank)}", [state])
+    return sum(f["bytes"] for f in files.values()) + len(state)
+
+
+def commit(storage, plan: WritePlan, job: SaveJob, parent_alive=lambda: True) -> None:
+    """Rank 0: once every rank's part is there, write the index and make the checkpoint visible."""
+    staging, final = storage.staging_prefix(step_dir(job.step)), step_dir(job.step)
+    deadline = time.monotonic() + plan.commit_timeout_s
+    pending = set(range(plan.world_size))
+    files: dict[str, dict] = {}
+    while pending:
+        for r in sorted(pending):
+            key = f"{staging}/{rank_state_file(r)}"
+            if storage.exists(key):
+                data = storage.get(key)
+                part = json.loads(data)
+                if part.get("step") != job.step:
+                    continue  # a stale file from an earlier attempt at this step
+                files.update(part["files"])
+                sha, size = digest([data])
+                files[rank_state_file(r)] = {"sha256": sha, "bytes": size}
+                pending.discard(r)
+        if pending:
+            if time.monotonic() > deadline or not parent_alive():
+                raise CheckpointError(f"step {job.step}: ranks {sorted(pending)} did not finish writing within "
+                                      f"{plan.commit_timeout_s:.0f} s; the checkpoint was not published")
+            time.sleep(0.02)
+    index = {"format": FORMAT, "version": VERSION, "step": job.step, "world_size": plan.world_size,
+             "metadata": job.metadata, "tensors": plan.tensors, "files": files}
+    storage.put(f"{staging}/{INDEX}", [json.dumps(index).encode()])
+    storage.publish(staging, final)
+    storage.put(LATEST, [final.encode()])
+    prune(storage, plan.keep, protect=job.step)
+
+
+def prune(storage, keep: int, protect: int) -> None:
+    """Delete all but the ``keep`` newest complete checkpoints (never ``protect``)."""
+    if keep <= 0:
+        return
+    steps = sorted(s for s in complete_steps(storage) if s != protect)
+    for s in steps[:max(len(steps) - (keep - 1), 0)]:
+        storage.delete_tree(step_dir(s))
+
+
+def complete_steps(storage) -> list[int]:
+    """Steps with a published checkpoint (its index exists), oldest first."""
+    out = []
+    for name in storage.list_dir(""):
+        step = parse_step_dir(name)
+        if step is not None and storage.exists(f"{name}/{INDEX}"):
+            out.append(step)
+    return sorted(out)
+
+
+def remove_incomplete(storage) -> list[str]:
+    """Delete staging leftovers of interrupted saves (rank 0, before the first save of a run)."""
+    removed = []
+    for name in storage.list_dir(""):
+        if name.endswith(".partial") or name.startswith(".step-") or (
+                parse_step_dir(name) is not None and not storage.exists(f"{name}/{INDEX}")):
+            storage.delete_tree(name)
+            removed.append(name)
+    return removed
+
+
+def run_job(storage, plan: WritePlan, job: SaveJob, buffer: memoryview, parent_alive=lambda: True) -> dict:
+    started = time.perf_counter()
+    nbytes = write_rank_part(storage, plan, job, buffer)
+    if plan.rank == 0:
+        commit(storage, plan, job, parent_alive)
+    seconds = time.perf_counter() - started
+    return {"step": job.step, "write_s": seconds, "bytes": nbytes}
+
+
+def writer_main(storage, jobs, results, parent_pid: int) -> None:
+    """The background writer's loop (spawned process)."""
+    torch.set_num_threads(1)
+    plan: WritePlan | None = None
+    buffer: memoryview | None = None
+    keep_alive = None  # holds the shared tensor so its mapping outlives the message
+
+    def parent_alive() -> bool:
+        return os.getppid() == parent_pid
+
+    while True:
+        try:
+            message = jobs.get(timeout=0.5)
+        except queue.Empty:
+            if not parent_alive():
+                return
+            continue
+        kind = message[0]
+        if kind == "stop":
+            return
+        if kind == "plan":
+            _, plan, keep_alive = message
+            buffer = memoryview(keep_alive.numpy()).cast("B") if keep_alive.numel() else memoryview(b"")
+            continue
+        job: SaveJob = message[1]
+        try:
+            results.put(("done", run_job(storage, plan, job, buffer, parent_alive)))
+        except BaseException as err:  # report, keep serving: the next save may succeed
+            results.put(("error", {"step": job.step, "error": f"{type(err).__name__}: {err}",
+                                   "traceback": traceback.format_exc()}))
