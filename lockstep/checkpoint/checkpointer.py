@@ -30,12 +30,15 @@ class SaveStats:
 
     step: int
     blocking_ms: float
+    #: part of blocking_ms spent waiting for the previous save's write (at most one in flight)
+    waited_ms: float = 0.0
     write_s: float = 0.0
     bytes: int = 0
     error: str | None = None
 
     def record(self) -> dict:
         out = {"checkpoint/step": self.step, "checkpoint/blocking_ms": self.blocking_ms,
+               "checkpoint/waited_ms": self.waited_ms,
                "checkpoint/write_s": self.write_s, "checkpoint/bytes": self.bytes,
                "checkpoint/mb_per_s": self.bytes / 1e6 / self.write_s if self.write_s else 0.0}
         if self.error:
@@ -73,6 +76,7 @@ class Checkpointer:
         """Stage ``slots`` and start writing checkpoint ``step``; every rank calls it at the same step."""
         started = time.perf_counter()
         self._wait_in_flight()
+        waited_ms = (time.perf_counter() - started) * 1e3
         self._ensure_plan(slots)
         with torch.no_grad():
             for name, view in self._views.items():
@@ -80,12 +84,13 @@ class Checkpointer:
         job = SaveJob(step, rank_state, metadata or {})
         if self.mode == "sync":
             result = run_job(self.storage, self._plan, job, self._memoryview())
-            stats = SaveStats(step, (time.perf_counter() - started) * 1e3, result["write_s"], result["bytes"])
+            stats = SaveStats(step, (time.perf_counter() - started) * 1e3, waited_ms, result["write_s"],
+                              result["bytes"])
             self._done.append(stats)
             return stats
         self._ensure_writer_alive()
         self._jobs.put(("save", job))
-        self._in_flight = SaveStats(step, (time.perf_counter() - started) * 1e3)
+        self._in_flight = SaveStats(step, (time.perf_counter() - started) * 1e3, waited_ms)
         return self._in_flight
 
     def poll(self) -> list[SaveStats]:

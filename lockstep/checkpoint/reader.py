@@ -92,3 +92,22 @@ def read_checkpoint(storage, step: int, slots: dict[str, Slot], rank: int) -> tu
 def _intersects(slot: Slot, chunk: dict) -> bool:
     return all(max(a, b) < min(a + n, b + m)
                for a, n, b, m in zip(slot.offsets, slot.shape, chunk["offsets"], chunk["shape"]))
+
+
+def read_full_state(storage, step: int | None = None) -> tuple[int, dict, dict]:
+    """Every tensor of a checkpoint, unsharded, in one process: (step, {name: tensor}, metadata).
+    For inspection, export and tests; checks every shard's checksum on the way."""
+    import torch
+
+    from lockstep.checkpoint.checkpointer import latest_step
+    from lockstep.checkpoint.format import DTYPES_BY_NAME
+
+    if step is None:
+        step = latest_step(storage)
+        if step is None:
+            raise CheckpointError(f"{storage.describe()}: no complete checkpoint to load")
+    index = read_index(storage, step)
+    tensors = {name: torch.empty(entry["shape"], dtype=DTYPES_BY_NAME[entry["dtype"]])
+               for name, entry in index["tensors"].items()}
+    read_checkpoint(storage, step, {n: Slot.of(t) for n, t in tensors.items()}, rank=0)
+    return step, tensors, index.get("metadata", {})
