@@ -12,6 +12,7 @@ import dataclasses
 import json
 import sys
 
+from lockstep.checkpoint.format import CheckpointError
 from lockstep.config.base import ConfigError, to_dict
 
 
@@ -198,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
         return COMMANDS[argv[0]](argv[1:])
     except ConfigError as err:
         print(f"lockstep: config error: {err}", file=sys.stderr)
+        return 2
+    except CheckpointError as err:
+        print(f"lockstep: checkpoint error: {err}", file=sys.stderr)
         return 2
 
 

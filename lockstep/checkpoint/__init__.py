@@ -4,11 +4,19 @@
 safetensors shards + a JSON index; ``load`` fills any parallel layout's tensors from any other's.
 """
 
-from lockstep.checkpoint.checkpointer import Checkpointer, SaveStats, latest_step
-from lockstep.checkpoint.config import CheckpointConfig
-from lockstep.checkpoint.format import CheckpointError
-from lockstep.checkpoint.layout import Slot
-from lockstep.checkpoint.storage import LocalStorage, S3Storage, Storage, StorageError, storage_from_uri
+import importlib
 
-__all__ = ["CheckpointConfig", "CheckpointError", "Checkpointer", "LocalStorage", "S3Storage", "SaveStats", "Slot",
-           "Storage", "StorageError", "latest_step", "storage_from_uri"]
+_EXPORTS = {
+    "Checkpointer": "checkpointer", "SaveStats": "checkpointer", "latest_step": "checkpointer",
+    "CheckpointConfig": "config", "CheckpointError": "format", "Slot": "layout",
+    "LocalStorage": "storage", "S3Storage": "storage", "Storage": "storage", "StorageError": "storage",
+    "storage_from_uri": "storage",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    # Lazy: the background writer imports lockstep.checkpoint.writer without pulling in torch.
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"lockstep.checkpoint.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'lockstep.checkpoint' has no attribute {name!r}")

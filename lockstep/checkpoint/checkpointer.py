@@ -10,15 +10,18 @@ complete checkpoint into any layout's tensors.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import queue
 import time
 import warnings
+from multiprocessing import shared_memory
 
 import torch
 import torch.distributed as dist
 
-from lockstep.checkpoint.format import INDEX, LATEST, CheckpointError, DTYPE_NAMES, parse_step_dir, plan_shards
+from lockstep.checkpoint.dtypes import DTYPE_NAMES, SAFETENSORS_CODES
+from lockstep.checkpoint.format import INDEX, LATEST, CheckpointError, parse_step_dir, plan_shards
 from lockstep.checkpoint.layout import Slot, owned_chunks
 from lockstep.checkpoint.storage import Storage
 from lockstep.checkpoint.writer import SaveJob, WritePlan, complete_steps, remove_incomplete, run_job, writer_main
@@ -58,6 +61,7 @@ class Checkpointer:
         self._plan: WritePlan | None = None
         self._plan_key: tuple | None = None
         self._buffer: torch.Tensor | None = None
+        self._shm: shared_memory.SharedMemory | None = None
         self._views: dict[str, torch.Tensor] = {}
         self._in_flight: SaveStats | None = None
         self._done: list[SaveStats] = []
@@ -116,6 +120,7 @@ class Checkpointer:
             self._jobs.put(("stop",))
         self._proc.join(timeout=30)
         self._proc = None
+        self._release_buffer()
         return self.poll()
 
     def _wait_in_flight(self) -> None:
@@ -145,13 +150,13 @@ class Checkpointer:
         self._done.append(stats)
 
     def _start_writer(self) -> None:
-        ctx = torch.multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("spawn")  # fork is unsafe beside OpenMP/gloo threads
         self._jobs, self._results = ctx.Queue(), ctx.Queue()
         self._proc = ctx.Process(target=writer_main, args=(self.storage, self._jobs, self._results, os.getpid()),
                                  daemon=True, name=f"lockstep-ckpt-writer-{self.rank}")
         self._proc.start()
         if self._plan is not None:
-            self._jobs.put(("plan", self._plan, self._buffer))
+            self._jobs.put(("plan", self._plan, self._shm.name if self._shm is not None else ""))
 
     def _ensure_writer_alive(self) -> None:
         if not self._proc.is_alive():
@@ -175,24 +180,38 @@ class Checkpointer:
             dist.all_gather_object(tables, mine)
         files_of = {}
         for r in (range(self.world_size) if self.rank == 0 else [self.rank]):
-            owned = owned_chunks(tables, r)
-            files_of[r], size = plan_shards([(n, tables[r][n][3], tables[r][n][2]) for n in owned],
-                                            f"rank-{r:05d}", self.max_file_bytes)
+            owned = [(n, SAFETENSORS_CODES[tables[r][n][3]], tables[r][n][3].itemsize, tables[r][n][2])
+                     for n in owned_chunks(tables, r)]
+            files_of[r], size = plan_shards(owned, f"rank-{r:05d}", self.max_file_bytes)
             if r == self.rank:
                 my_size = size
         tensors = _index_table(tables, files_of) if self.rank == 0 else None
         self._plan = WritePlan(self.rank, self.world_size, files_of[self.rank], tensors, self.keep,
                                self.commit_timeout_s)
-        self._buffer = torch.empty(my_size, dtype=torch.uint8)
-        if self.mode == "process":
-            self._buffer.share_memory_()
+        self._release_buffer()
+        if self.mode == "process" and my_size:
+            self._shm = shared_memory.SharedMemory(create=True, size=my_size)
+            self._buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=my_size)
+        else:
+            self._buffer = torch.empty(my_size, dtype=torch.uint8)
         self._views = {}
         for shard in self._plan.files:
             for e in shard.entries:
-                self._views[e.key] = self._buffer[e.begin:e.begin + e.nbytes].view(e.dtype).view(e.shape)
+                dtype = _DTYPE_OF_CODE[e.dtype]
+                self._views[e.key] = self._buffer[e.begin:e.begin + e.nbytes].view(dtype).view(e.shape)
         self._plan_key = key
         if self.mode == "process":
-            self._jobs.put(("plan", self._plan, self._buffer))
+            self._jobs.put(("plan", self._plan, self._shm.name if self._shm is not None else ""))
+
+    def _release_buffer(self) -> None:
+        self._views, self._buffer = {}, None
+        if self._shm is not None:
+            try:
+                self._shm.close()
+            except BufferError:  # a view still exported; the unlink below still frees it at exit
+                pass
+            self._shm.unlink()
+            self._shm = None
 
     # -- loading ------------------------------------------------------------------------------
 
@@ -203,6 +222,9 @@ class Checkpointer:
         """Fill ``slots`` from checkpoint ``step`` (default: the latest complete one); returns
         (step, this rank's saved state (rank 0's when the saving run had fewer ranks), metadata)."""
         return load_into(self.storage, slots, step, self.rank)
+
+
+_DTYPE_OF_CODE = {code: dt for dt, code in SAFETENSORS_CODES.items()}
 
 
 def _index_table(tables: list[dict], files_of: dict[int, list]) -> dict[str, dict]:

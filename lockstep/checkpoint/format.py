@@ -4,7 +4,8 @@ A checkpoint ``step-00000100/`` holds, per rank, ``rank-00000-0.safetensors`` ..
 tensor chunks) and ``rank-00000.json`` (its non-tensor state: RNG, data loader; and the checksums
 of its shards), and one ``index.json`` written last by rank 0: every tensor's global shape, dtype
 and the chunks (file, offsets, shape) that tile it, with each file's byte size and sha256.
-Loading parses JSON and safetensors only; nothing is unpickled.
+Loading parses JSON and safetensors only; nothing is unpickled. This module does not import
+torch: the background writer process that uses it stays small and starts in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -12,23 +13,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import struct
-
-import torch
 
 FORMAT = "lockstep-checkpoint"
 VERSION = 1
 INDEX = "index.json"
 LATEST = "latest"
-
-_ST_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-}
-DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in _ST_DTYPES}
-DTYPES_BY_NAME = {name: dt for dt, name in DTYPE_NAMES.items()}
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupt or does not fit the model; names the file."""
@@ -53,7 +44,7 @@ class Entry:
     """One tensor chunk inside a shard file: its key, dtype, local shape and byte range in the data."""
 
     key: str
-    dtype: torch.dtype
+    dtype: str  # safetensors code: "F32", "BF16", ...
     shape: tuple[int, ...]
     begin: int  # byte offset in the staging buffer
     nbytes: int
@@ -77,23 +68,24 @@ class ShardFile:
     def header(self) -> bytes:
         """The safetensors length prefix + JSON header (padded to 8 bytes, as safetensors does)."""
         start = self.begin
-        meta = {e.key: {"dtype": _ST_DTYPES[e.dtype], "shape": list(e.shape),
+        meta = {e.key: {"dtype": e.dtype, "shape": list(e.shape),
                         "data_offsets": [e.begin - start, e.begin - start + e.nbytes]} for e in self.entries}
         raw = json.dumps(meta, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)
         return struct.pack("<Q", len(raw)) + raw
 
 
-def plan_shards(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], prefix: str,
+def plan_shards(tensors: list[tuple[str, str, int, tuple[int, ...]]], prefix: str,
                 max_file_bytes: int) -> tuple[list[ShardFile], int]:
-    """Lay chunks out in one flat buffer, widest dtypes first (so every view is aligned), cut into
-    files of at most ``max_file_bytes`` (a larger single tensor gets a file of its own)."""
-    ordered = sorted(tensors, key=lambda t: (-t[1].itemsize, t[0]))
+    """Lay chunks ``(key, safetensors dtype, itemsize, shape)`` out in one flat buffer, widest
+    dtypes first (so every view is aligned), cut into files of at most ``max_file_bytes`` (a larger
+    single tensor gets a file of its own); returns the files and the buffer size."""
+    ordered = sorted(tensors, key=lambda t: (-t[2], t[0]))
     files: list[ShardFile] = []
     current: list[Entry] = []
     offset = file_start = 0
-    for key, dtype, shape in ordered:
-        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    for key, dtype, itemsize, shape in ordered:
+        nbytes = itemsize * math.prod(shape)
         if current and offset + nbytes - file_start > max_file_bytes:
             files.append(ShardFile(f"{prefix}-{len(files)}.safetensors", tuple(current)))
             current, file_start = [], offset
@@ -135,7 +127,7 @@ def verified_bytes(storage, key: str, expected: dict) -> bytes:
     return data
 
 
-def load_safetensors(data: bytes, key: str) -> dict[str, torch.Tensor]:
+def load_safetensors(data: bytes, key: str) -> dict:
     from safetensors.torch import load
 
     try:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import math
 
+from lockstep.checkpoint.dtypes import DTYPE_NAMES, DTYPES_BY_NAME
 from lockstep.checkpoint.format import (
-    DTYPE_NAMES, FORMAT, INDEX, CheckpointError, load_safetensors, rank_state_file, step_dir, verified_bytes,
+    FORMAT, INDEX, CheckpointError, load_safetensors, rank_state_file, step_dir, verified_bytes,
 )
 from lockstep.checkpoint.layout import Slot, copy_overlap
 
@@ -100,7 +101,6 @@ def read_full_state(storage, step: int | None = None) -> tuple[int, dict, dict]:
     import torch
 
     from lockstep.checkpoint.checkpointer import latest_step
-    from lockstep.checkpoint.format import DTYPES_BY_NAME
 
     if step is None:
         step = latest_step(storage)

@@ -6,9 +6,10 @@ it waits for every rank's JSON, writes ``index.json``, publishes the directory, 
 ``latest`` marker and prunes old checkpoints. A crash at any point before the publish leaves only
 a staging directory, which readers never look at and the next run deletes.
 
-``writer_main`` is the background process: it receives the staging buffer once (shared memory)
-and then small save jobs; it finishes a job even if the trainer dies (the buffer stays mapped),
-and exits when the trainer is gone and nothing is left to write.
+``writer_main`` is the background process: it attaches to the staging buffer once (POSIX shared
+memory, by name) and then receives small save jobs; it finishes a job even if the trainer dies
+(the mapping stays valid), and exits when the trainer is gone and nothing is left to write. It
+imports no torch, so it starts in a fraction of a second and costs little memory per rank.
 """
 
 from __future__ import annotations
@@ -19,8 +20,7 @@ import os
 import queue
 import time
 import traceback
-
-import torch
+from multiprocessing import shared_memory
 
 from lockstep.checkpoint.format import (
     FORMAT, INDEX, LATEST, VERSION, CheckpointError, ShardFile, digest, file_chunks, parse_step_dir,
@@ -132,12 +132,18 @@ def run_job(storage, plan: WritePlan, job: SaveJob, buffer: memoryview, parent_a
     return {"step": job.step, "write_s": seconds, "bytes": nbytes}
 
 
+def attach_shared(name: str) -> shared_memory.SharedMemory:
+    """Map the trainer's staging buffer. The spawned writer shares the trainer's resource tracker,
+    which keeps one registration per name: the trainer's unlink clears it, and if the trainer is
+    killed the tracker unlinks the segment once the writer, its last user, has exited."""
+    return shared_memory.SharedMemory(name=name)
+
+
 def writer_main(storage, jobs, results, parent_pid: int) -> None:
     """The background writer's loop (spawned process)."""
-    torch.set_num_threads(1)
     plan: WritePlan | None = None
-    buffer: memoryview | None = None
-    keep_alive = None  # holds the shared tensor so its mapping outlives the message
+    shm: shared_memory.SharedMemory | None = None
+    buffer = memoryview(b"")
 
     def parent_alive() -> bool:
         return os.getppid() == parent_pid
@@ -153,8 +159,12 @@ def writer_main(storage, jobs, results, parent_pid: int) -> None:
         if kind == "stop":
             return
         if kind == "plan":
-            _, plan, keep_alive = message
-            buffer = memoryview(keep_alive.numpy()).cast("B") if keep_alive.numel() else memoryview(b"")
+            _, plan, name = message
+            buffer.release()
+            if shm is not None:
+                shm.close()
+            shm = attach_shared(name) if name else None
+            buffer = shm.buf if shm is not None else memoryview(b"")
             continue
         job: SaveJob = message[1]
         try:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from lockstep.checkpoint import CheckpointConfig, Checkpointer, latest_step, storage_from_uri
+from lockstep.checkpoint.reader import read_index
 from lockstep.checkpoint.train_state import (
     ensure_optimizer_state, model_slots, optimizer_groups, optimizer_slots, rng_state, set_rng_state,
 )
@@ -51,18 +52,21 @@ class TrainCheckpointing:
     def resume(self) -> dict:
         """Load the latest checkpoint into model, optimizer, loader and RNG; returns what the manifest records."""
         t = self.trainer
-        step, state, meta = self.checkpointer.load(self._slots())
+        storage = self.checkpointer.storage
+        step = self.checkpointer.latest_step()
+        saved_config = read_index(storage, step).get("metadata", {}).get("config", {})
+        changes = [c for c in config_changes(saved_config, to_dict(t.config))
+                   if c.split(".")[0] not in RESUMABLE_CHANGES]
+        if changes:  # before touching tensors: a changed model would only list mismatched shapes
+            raise ConfigError(f"resume: the checkpoint at step {step} in {storage.describe()} was trained with a "
+                              f"different config: {', '.join(changes)} changed (only "
+                              f"{', '.join(RESUMABLE_CHANGES)} may change)")
+        step, state, meta = self.checkpointer.load(self._slots(), step)
         try:
             t.data.train.load_state_dict(state["data"])
         except ValueError as err:
             raise ConfigError(f"resume: {err}") from None
         set_rng_state(state["rng"])
-        saved_config = meta.get("config", {})
-        changes = [c for c in config_changes(saved_config, to_dict(t.config))
-                   if c.split(".")[0] not in RESUMABLE_CHANGES]
-        if changes:
-            raise ConfigError(f"resume: the checkpoint at step {step} was trained with a different config: "
-                              f"{', '.join(changes)} changed (only {', '.join(RESUMABLE_CHANGES)} may change)")
         return {"from_step": step, "storage": self.checkpointer.storage.describe(),
                 "saved_world_size": meta.get("world_size"), "world_size": t.runtime.world_size}
 
