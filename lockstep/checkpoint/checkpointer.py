@@ -220,8 +220,18 @@ class Checkpointer:
 
     def load(self, slots: dict[str, Slot], step: int | None = None) -> tuple[int, dict, dict]:
         """Fill ``slots`` from checkpoint ``step`` (default: the latest complete one); returns
-        (step, this rank's saved state (rank 0's when the saving run had fewer ranks), metadata)."""
-        return load_into(self.storage, slots, step, self.rank)
+        (step, this rank's saved state (rank 0's when the saving run had fewer ranks), metadata).
+
+        In a distributed run every rank must call it: the names the whole job holds are gathered
+        so a pipeline stage is not told the other stages' tensors are "unexpected"."""
+        job_names = None
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            gathered: list = [None] * self.world_size
+            dist.all_gather_object(gathered, sorted(slots))
+            job_names = set().union(*gathered)
+        return load_into(self.storage, slots, step, self.rank, job_names)
 
 
 _DTYPE_OF_CODE = {code: dt for dt, code in SAFETENSORS_CODES.items()}
@@ -250,11 +260,12 @@ def latest_step(storage: Storage) -> int | None:
     return steps[-1] if steps else None
 
 
-def load_into(storage: Storage, slots: dict[str, Slot], step: int | None, rank: int) -> tuple[int, dict, dict]:
+def load_into(storage: Storage, slots: dict[str, Slot], step: int | None, rank: int,
+              job_names: set[str] | None = None) -> tuple[int, dict, dict]:
     from lockstep.checkpoint.reader import read_checkpoint
 
     if step is None:
         step = latest_step(storage)
         if step is None:
             raise CheckpointError(f"{storage.describe()}: no complete checkpoint to load")
-    return (step, *read_checkpoint(storage, step, slots, rank))
+    return (step, *read_checkpoint(storage, step, slots, rank, job_names))

@@ -31,11 +31,11 @@ def read_index(storage, step: int) -> dict:
     return index
 
 
-def _mismatches(index: dict, slots: dict[str, Slot]) -> list[str]:
+def _mismatches(index: dict, slots: dict[str, Slot], job_names: set[str]) -> list[str]:
     saved = index["tensors"]
     problems = []
     missing = sorted(set(slots) - set(saved))
-    unexpected = sorted(set(saved) - set(slots))
+    unexpected = sorted(set(saved) - job_names)
     if missing:
         problems.append(f"{len(missing)} tensors the model needs are not in the checkpoint: {_few(missing)}")
     if unexpected:
@@ -55,11 +55,15 @@ def _few(items: list[str], n: int = 8) -> str:
     return ", ".join(items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "")
 
 
-def read_checkpoint(storage, step: int, slots: dict[str, Slot], rank: int) -> tuple[dict, dict]:
-    """Fill ``slots`` from checkpoint ``step``; returns (rank state, metadata)."""
+def read_checkpoint(storage, step: int, slots: dict[str, Slot], rank: int,
+                    job_names: set[str] | None = None) -> tuple[dict, dict]:
+    """Fill ``slots`` from checkpoint ``step``; returns (rank state, metadata).
+
+    ``job_names`` is every tensor name any rank of the job holds (pipeline stages hold disjoint
+    parts); a checkpoint tensor no rank holds is reported as unexpected. Defaults to ``slots``."""
     index = read_index(storage, step)
     where = f"{storage.describe()}/{step_dir(step)}"
-    problems = _mismatches(index, slots)
+    problems = _mismatches(index, slots, set(slots) if job_names is None else job_names)
     if problems:
         meta = index.get("metadata", {})
         saved_model = f" (saved from {meta.get('family')} {meta.get('flavor')})" if meta.get("family") else ""
