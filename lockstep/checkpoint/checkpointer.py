@@ -23,6 +23,7 @@ import torch.distributed as dist
 from lockstep.checkpoint.dtypes import DTYPE_NAMES, SAFETENSORS_CODES
 from lockstep.checkpoint.format import INDEX, LATEST, CheckpointError, parse_step_dir, plan_shards
 from lockstep.checkpoint.layout import Slot, owned_chunks
+from lockstep.checkpoint.shm import create_segment, remove_stale_segments
 from lockstep.checkpoint.storage import Storage
 from lockstep.checkpoint.writer import SaveJob, WritePlan, complete_steps, remove_incomplete, run_job, writer_main
 
@@ -72,6 +73,10 @@ class Checkpointer:
                 warnings.warn(f"checkpoint: removed incomplete saves {removed} from {storage.describe()}",
                               stacklevel=2)
         if mode == "process":
+            stale = remove_stale_segments()
+            if stale:
+                warnings.warn(f"checkpoint: freed {len(stale)} staging buffer(s) a killed run left in /dev/shm: "
+                              f"{stale}", stacklevel=2)
             self._start_writer()  # spawning takes a second or two: start before the first save
 
     # -- saving -------------------------------------------------------------------------------
@@ -190,7 +195,7 @@ class Checkpointer:
                                self.commit_timeout_s)
         self._release_buffer()
         if self.mode == "process" and my_size:
-            self._shm = shared_memory.SharedMemory(create=True, size=my_size)
+            self._shm = create_segment(my_size)
             self._buffer = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=my_size)
         else:
             self._buffer = torch.empty(my_size, dtype=torch.uint8)
