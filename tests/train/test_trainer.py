@@ -119,3 +119,19 @@ def test_manifest_records_moe_routing_mode(tmp_path):
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     loads = [r["layers.0.feed_forward/load_cv"] for r in records if "loss" in r]
     assert loads and all(v == 0.0 for v in loads)  # forced balance: every expert gets the same load
+
+
+def test_initial_weights_come_from_a_hf_directory(tmp_path):
+    from lockstep.models.common.transformer import build_model
+    from lockstep.models.hf import save_hf
+
+    cfg = _debug(tmp_path, steps=1)
+    source = build_model(cfg.model, seed=7)  # not the trainer's seed: equal weights must come from the dir
+    save_hf(source, tmp_path / "hf")
+    trainer = Trainer(dataclasses.replace(cfg, init_from=str(tmp_path / "hf")))
+    loaded = dict(trainer.model.named_parameters())
+    expected = dict(source.named_parameters())
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    random_init = dict(Trainer(_debug(tmp_path, "random", steps=1)).model.named_parameters())
+    assert not all(torch.equal(random_init[k], expected[k]) for k in expected)
