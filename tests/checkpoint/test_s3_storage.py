@@ -77,7 +77,7 @@ def test_incomplete_save_on_s3_is_invisible_and_removed(endpoint):
     ckpt.save(1, {n: Slot.of(t) for n, t in _state().items()}, {}, {})
     ckpt.close()
     # a save cut off before its index: shards present, no index.json
-    storage.put("step-00000002/rank-00000-00000.safetensors", [b"partial"])
+    storage.put("step-00000002/rank-00000-0.safetensors", [b"partial"])
     assert latest_step(storage) == 1
     Checkpointer(storage, mode="sync").close()  # a new run cleans up
     assert "step-00000002" not in storage.list_dir("")
