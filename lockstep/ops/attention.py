@@ -3,6 +3,13 @@
 Every backend takes ``q [B, H, T, D]`` and ``k, v [B, Hkv, S, D]`` (grouped-query heads are
 expanded here, not in the model) and returns ``[B, H, T, D]``. ``causal`` masks key positions after
 each query, aligned so the last query sees the last key (which makes cached decode with T < S work).
+
+Generation (the KV-cache path, ``lockstep.generate``) uses a second signature, registered per backend
+name with :func:`register_cached_attention`: ``q [B, H, T, D]`` for the *new* tokens only, ``k, v
+[B, Hkv, S, D(v)]`` each sequence's whole gathered context (key ``s`` holds position ``s``; slots past
+the sequence's length are padding) and ``q_positions [B, T]``, the absolute position of every query.
+Query ``(b, t)`` attends keys ``s <= q_positions[b, t]``; rows are independent, so sequences of
+different lengths share one call. A layer picks the cached variant of its own backend by name.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import torch.nn.functional as F
 
 AttentionFn = Callable[..., torch.Tensor]
 _BACKENDS: dict[str, AttentionFn] = {}
+_CACHED_BACKENDS: dict[str, AttentionFn] = {}
 
 
 def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
@@ -96,3 +104,69 @@ def causal_mask(t_q: int, t_k: int, device: torch.device | str) -> torch.Tensor:
     q_pos = torch.arange(t_k - t_q, t_k, device=device)[:, None]
     k_pos = torch.arange(t_k, device=device)[None, :]
     return k_pos <= q_pos
+
+
+def register_cached_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
+    """Register the KV-cache (generation) variant of backend ``name`` (see the module docstring)."""
+    def decorator(fn: AttentionFn) -> AttentionFn:
+        _CACHED_BACKENDS[name] = fn
+        return fn
+
+    return decorator
+
+
+def cached_attention_backends() -> list[str]:
+    return sorted(_CACHED_BACKENDS)
+
+
+def get_cached_attention(name: str) -> AttentionFn:
+    try:
+        return _CACHED_BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"attention backend {name!r} has no KV-cache (generation) variant; backends with one: "
+                         f"{cached_attention_backends()}") from None
+
+
+def position_mask(q_positions: torch.Tensor, context_len: int) -> torch.Tensor:
+    """Boolean [B, 1, T, S] mask, True where key s (at position s) is at or before the query's position."""
+    keys = torch.arange(context_len, device=q_positions.device)
+    return keys <= q_positions[:, None, :, None]
+
+
+@register_cached_attention("sdpa")
+def sdpa_cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_positions: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """SDPA over a gathered context. Grouped query heads are folded into the query rows
+    ([B, Hkv, groups * T, D]) instead of expanding keys/values to every head: no K/V copy."""
+    b, h, t, _ = q.shape
+    hkv = k.shape[1]
+    groups = h // hkv
+    mask = position_mask(q_positions, k.shape[2])
+    if groups > 1:
+        q = q.reshape(b, hkv, groups * t, q.shape[-1])
+        mask = mask.repeat(1, 1, groups, 1)  # row g * T + t is query head (kv_head * groups + g), token t
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(b, h, t, v.shape[-1])
+
+
+@register_cached_attention("reference")
+def reference_cached_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    q_positions: torch.Tensor,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain masked softmax(q k^T * scale) v with fp32 scores over a gathered context."""
+    k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~position_mask(q_positions, k.shape[2]), float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)

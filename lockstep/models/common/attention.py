@@ -1,9 +1,15 @@
-"""Grouped-query attention with optional per-head q/k RMSNorm (Qwen3), backend chosen by name."""
+"""Grouped-query attention with optional per-head q/k RMSNorm (Qwen3), backend chosen by name.
+
+``forward(x, rope, cache=None)``: without a cache (training, scoring) attention is causal over ``x``'s
+own tokens. With a cache (generation, :mod:`lockstep.generate`) ``x`` holds only the new tokens of
+each sequence; the cache stores their keys/values and attends over each sequence's whole context
+with the KV-cache variant of this layer's backend (``lockstep.ops.attention``).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -62,7 +68,8 @@ class GroupedQueryAttention(nn.Module):
         self.q_norm = RMSNorm(head_dim, norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if config.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: Any = None) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]; ``cache``: a layer cache (``attend(q, k, v, backend=, scale=)``)."""
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds a slice of the heads
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -73,5 +80,8 @@ class GroupedQueryAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = self.backend(q, k, v, causal=True)
+        if cache is None:
+            out = self.backend(q, k, v, causal=True)
+        else:
+            out = cache.attend(q, k, v, backend=self.backend_name, scale=None)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

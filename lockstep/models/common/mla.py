@@ -14,6 +14,14 @@ Layout of the rotary dims: DeepSeek checkpoints rotate *interleaved* pairs ``(x0
 this gathers the even then the odd dims of ``q_pe``/``k_pe`` and rotates the result in the
 half-rotation layout; q and k are permuted alike, so the scores equal those of pairwise rotation.
 
+Generation (``forward(..., cache=...)``) caches the compressed latent, as DeepSeek-V3 inference
+does: per token ``[kv_norm(c_kv), rotated k_pe]`` (``kv_lora_rank + qk_rope_head_dim`` wide, shared
+by every head) instead of per-head keys and values. ``wkv_b`` is absorbed into the query and the
+output ("weight absorption"): ``q_nope . (W_uk c) = (W_uk^T q_nope) . c`` and ``sum_s p_s W_uv c_s =
+W_uv sum_s p_s c_s``, so attention runs over the latent as multi-query attention with one shared
+key/value head (keys ``[c, k_pe]``, values ``c``) and the same softmax scale. This is the same function
+as the full path up to float summation order.
+
 The rope tables passed in must be built for ``qk_rope_head_dim`` (the DeepSeek family's
 ``TransformerConfig`` does this by reporting ``qk_rope_head_dim`` as its head size).
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -120,7 +129,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.wkv_b = nn.Linear(self.kv_lora_rank, n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * self.v_head_dim, dim, bias=bias)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: Any = None) -> torch.Tensor:
+        """x [B, T, dim] -> [B, T, dim]; ``cache``: a latent layer cache (``attend_latent``), see the module doc."""
         bsz, seq, _ = x.shape
         q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
         # -1 heads: under tensor parallelism (wq / wq_b and wkv_b column-wise, wo row-wise) each rank
@@ -134,6 +144,8 @@ class MultiHeadLatentAttention(nn.Module):
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         cos, sin = rope
         q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
+        if cache is not None:
+            return self._forward_cached(q_nope, q_pe, c_kv, k_pe, cache)
 
         kv = self.wkv_b(self.kv_norm(c_kv)).view(bsz, seq, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = torch.split(kv.transpose(1, 2), [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
@@ -141,4 +153,17 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
         out = self.backend(q, k, v, causal=True, scale=self.scale)  # [B, H, T, v_head_dim]
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    def _forward_cached(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                        cache: Any) -> torch.Tensor:
+        """Attention over the cached latent with ``wkv_b`` absorbed (module docstring)."""
+        bsz, _, seq, _ = q_nope.shape
+        latent = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(1)], dim=-1)  # [B, T, kv_lora_rank + rope]
+        w = self.wkv_b.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+        q = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_pe], dim=-1)
+        out = cache.attend_latent(q, latent, value_dim=self.kv_lora_rank, backend=self.backend_name,
+                                  scale=self.scale)  # [B, H, T, kv_lora_rank]
+        out = torch.einsum("bhtr,hvr->bhtv", out, w_uv)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

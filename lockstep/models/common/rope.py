@@ -86,8 +86,13 @@ class RotaryEmbedding(nn.Module):
         self.sin.copy_(angles.sin())
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [..., T, head_dim] for integer positions [..., T]."""
-        if positions.numel() and int(positions.max()) >= self.max_seq_len:
+        """cos, sin of shape [..., T, head_dim] for integer positions [..., T].
+
+        The bound check reads a tensor value, so it is skipped while torch.compile traces (it would
+        break the graph and recompile for every new position); a compiled caller checks positions
+        itself (the generation engine caps every sequence at max_seq_len before it runs).
+        """
+        if positions.numel() and not torch.compiler.is_compiling() and int(positions.max()) >= self.max_seq_len:
             raise ValueError(
                 f"position {int(positions.max())} is beyond max_seq_len={self.max_seq_len}"
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -121,8 +122,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = slots[f"{prefix}.ffn_norm"].build(dim=config.dim, eps=config.norm_eps)
         self.feed_forward = slots[f"{prefix}.feed_forward"].build(dim=config.dim, hidden_dim=config.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: Any = None) -> torch.Tensor:
+        if cache is None:
+            x = x + self.attention(self.attention_norm(x), rope)
+        else:  # generation: the attention reads and extends this layer's KV cache
+            x = x + self.attention(self.attention_norm(x), rope, cache=cache)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -148,19 +152,25 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
+    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions, token embeddings, final-normed hidden states): everything but the head.
 
         Families that add heads (DeepSeek-V3's MTP) build on this instead of copying the loop.
+        ``cache`` (generation, :mod:`lockstep.generate`): ``tokens [B, T]`` are each sequence's new
+        tokens at ``positions [B, T]``, and ``cache.layer(name)`` is handed to block ``name``.
         """
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
         rope = self.rope(positions)
         embeddings = self.tok_embeddings(tokens)
         h = embeddings
-        for layer in self.layers.values():
-            h = layer(h, rope)
+        if cache is None:
+            for layer in self.layers.values():
+                h = layer(h, rope)
+        else:
+            for name, layer in self.layers.items():
+                h = layer(h, rope, cache=cache.layer(name))
         return positions, embeddings, self.norm(h)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

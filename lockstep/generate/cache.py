@@ -1,0 +1,181 @@
+"""Paged KV cache: a pool of fixed-size blocks per attention layer, block tables per sequence.
+
+Every layer owns one pool tensor per cached quantity, ``[num_blocks + 1, block_size, ...]``:
+
+* grouped-query attention: keys and values, ``[.., block_size, n_kv_heads, head_dim]`` each;
+* multi-head latent attention (DeepSeek-V3): one latent, ``[.., block_size, kv_lora_rank +
+  qk_rope_head_dim]`` (the normalised ``c_kv`` and the rotated shared ``k_pe``), never full K/V.
+
+Block 0 is the *null block*: never handed out, it absorbs the writes of padding tokens and pads
+block tables; it is only ever read at masked positions. A sequence owns whole blocks (its block
+table lists them in position order), allocated when it is admitted and returned to the free list
+when it finishes. Token ``p`` of a sequence lives in slot ``table[p // block_size] * block_size +
+p % block_size``.
+
+Per forward the engine calls :meth:`PagedKVCache.set_step` with the step's
+:class:`StepMetadata`; the model hands ``cache.layer(name)`` to each block, whose attention calls
+:meth:`LayerCache.attend` (or ``attend_latent``): store the new tokens, gather each sequence's
+context through its block table (``index_select`` over whole blocks), run the layer backend's
+KV-cache variant (:func:`lockstep.ops.attention.get_cached_attention`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from lockstep.models.common.attention import GroupedQueryAttention
+from lockstep.models.common.mla import MultiHeadLatentAttention
+from lockstep.ops.attention import get_cached_attention
+
+NULL_BLOCK = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLayout:
+    """What one attention layer caches per token."""
+
+    #: "kv" (keys and values per KV head) or "latent" (one shared latent, MLA)
+    kind: str
+    #: KV heads ("kv"); 1 for "latent"
+    heads: int
+    #: key width per head ("kv": head_dim; "latent": kv_lora_rank + qk_rope_head_dim)
+    key_dim: int
+    #: value width ("kv": head_dim; "latent": kv_lora_rank, the first columns of the latent)
+    value_dim: int
+
+    def elements_per_token(self) -> int:
+        return self.heads * (self.key_dim + self.value_dim) if self.kind == "kv" else self.key_dim
+
+
+def layer_layouts(model: nn.Module) -> dict[str, LayerLayout]:
+    """The cache layout of every block of ``model``; errors name the layer that cannot be cached."""
+    layouts: dict[str, LayerLayout] = {}
+    for name, block in model.layers.items():
+        attn = block.attention
+        path = f"layers.{name}.attention"
+        if isinstance(attn, MultiHeadLatentAttention):
+            layouts[name] = LayerLayout("latent", 1, attn.kv_lora_rank + attn.qk_rope_head_dim, attn.kv_lora_rank)
+        elif isinstance(attn, GroupedQueryAttention):
+            heads = attn.wk.out_features // attn.head_dim
+            layouts[name] = LayerLayout("kv", heads, attn.head_dim, attn.head_dim)
+        else:
+            raise TypeError(f"{path}: {type(attn).__name__} has no KV-cache path (GroupedQueryAttention and "
+                            f"MultiHeadLatentAttention do)")
+        try:
+            get_cached_attention(attn.backend_name)
+        except ValueError as err:
+            raise ValueError(f"{path}.backend: {err}") from None
+    return layouts
+
+
+@dataclasses.dataclass
+class StepMetadata:
+    """Where the tokens of one forward go and what they attend to (B sequences, T new tokens each)."""
+
+    #: [B * T] cache slot of every new token, row-major (padding tokens: slots of the null block)
+    slot_mapping: torch.Tensor
+    #: [B, n_blocks] each sequence's blocks in position order, padded with the null block
+    block_tables: torch.Tensor
+    #: [B, T] absolute position of every new token (padding rows: 0)
+    q_positions: torch.Tensor
+
+
+class BlockAllocator:
+    """Free list of block ids 1..num_blocks (0 is the null block)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks, 0, -1))  # pop() hands out low ids first
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise RuntimeError(f"KV cache: {n} blocks requested, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+class LayerCache:
+    """One layer's view of the cache; the model's attention calls ``attend`` / ``attend_latent``."""
+
+    def __init__(self, owner: "PagedKVCache", layout: LayerLayout, pools: tuple[torch.Tensor, ...]) -> None:
+        self.owner, self.layout, self.pools = owner, layout, pools
+
+    def _store_and_gather(self, pool: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Write ``new [B, T, ...]`` at the step's slots; return the contexts ``[B, S, ...]``."""
+        meta = self.owner.meta
+        flat = pool.view(-1, *pool.shape[2:])
+        flat.index_copy_(0, meta.slot_mapping, new.reshape(-1, *pool.shape[2:]).to(pool.dtype))
+        b, n_blocks = meta.block_tables.shape
+        return pool.index_select(0, meta.block_tables.reshape(-1)).view(b, n_blocks * pool.shape[1], *pool.shape[2:])
+
+    @torch.compiler.disable  # shapes change every step (context length): keep this out of compiled graphs
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
+               scale: float | None = None) -> torch.Tensor:
+        """q [B, H, T, D], new k/v [B, Hkv, T, D] -> attention over each whole context [B, H, T, D]."""
+        k_pool, v_pool = self.pools
+        k_ctx = self._store_and_gather(k_pool, k.transpose(1, 2)).transpose(1, 2)
+        v_ctx = self._store_and_gather(v_pool, v.transpose(1, 2)).transpose(1, 2)
+        fn = get_cached_attention(backend)
+        return fn(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), q_positions=self.owner.meta.q_positions, scale=scale)
+
+    @torch.compiler.disable
+    def attend_latent(self, q: torch.Tensor, latent: torch.Tensor, *, value_dim: int, backend: str,
+                      scale: float | None = None) -> torch.Tensor:
+        """q [B, H, T, W], new latent [B, T, W] -> [B, H, T, value_dim] (one shared key/value head:
+        keys are the latents, values their first ``value_dim`` columns)."""
+        ctx = self._store_and_gather(self.pools[0], latent).unsqueeze(1).to(q.dtype)  # [B, 1, S, W]
+        fn = get_cached_attention(backend)
+        return fn(q, ctx, ctx[..., :value_dim], q_positions=self.owner.meta.q_positions, scale=scale)
+
+
+class PagedKVCache:
+    """Block pools for every layer of a model, the allocator, and the current step's metadata."""
+
+    def __init__(self, layouts: dict[str, LayerLayout], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        if num_blocks < 1:
+            raise ValueError(f"KV cache: need at least one block, got {num_blocks}")
+        self.layouts, self.num_blocks, self.block_size, self.dtype = layouts, num_blocks, block_size, dtype
+        self.allocator = BlockAllocator(num_blocks)
+        self.meta: StepMetadata | None = None
+        self._layers: dict[str, LayerCache] = {}
+        for name, lay in layouts.items():
+            shape = (num_blocks + 1, block_size)
+            # zeros: slots read only under a mask must still be finite (0 x NaN would poison softmax @ V)
+            if lay.kind == "kv":
+                pools = (torch.zeros(*shape, lay.heads, lay.key_dim, dtype=dtype, device=device),
+                         torch.zeros(*shape, lay.heads, lay.value_dim, dtype=dtype, device=device))
+            else:
+                pools = (torch.zeros(*shape, lay.key_dim, dtype=dtype, device=device),)
+            self._layers[name] = LayerCache(self, lay, pools)
+
+    @staticmethod
+    def bytes_per_block(layouts: dict[str, LayerLayout], block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return block_size * element * sum(lay.elements_per_token() for lay in layouts.values())
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for lc in self._layers.values() for p in lc.pools)
+
+    def blocks_for(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    def layer(self, name: str) -> LayerCache:
+        return self._layers[name]
+
+    def set_step(self, meta: StepMetadata) -> None:
+        self.meta = meta

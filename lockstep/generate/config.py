@@ -1,0 +1,111 @@
+"""What a generation run is configured by: ``EngineConfig`` (the engine), ``SamplingParams`` and
+``Request`` (one prompt). Every check raises :class:`~lockstep.config.base.ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from lockstep.config.base import Config, require, require_choice, require_positive
+
+if TYPE_CHECKING:
+    from lockstep.generate.engine import Engine
+
+#: ``EngineConfig.compile_decode`` choices. "inductor-frozen" treats the weights as constants
+#: (Inductor freezing: prepacked for the CPU GEMM); the compiled step then ignores later weight updates.
+COMPILE_MODES = ["none", "inductor", "inductor-frozen", "aot_eager"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class EngineConfig(Config):
+    """The generation engine: KV-cache size, batch limits, optional compiled decode step."""
+
+    #: memory for the paged KV cache (every layer together), in MiB; sets the number of blocks
+    cache_memory_mb: float = 512.0
+    #: tokens per cache block (each sequence holds whole blocks, freed when it finishes)
+    block_size: int = 16
+    #: number of cache blocks; 0 derives it from cache_memory_mb
+    num_blocks: int = 0
+    #: most sequences decoded together (the running batch)
+    max_batch_size: int = 32
+    #: most prompt tokens (padded: sequences x longest prompt) prefilled in one forward; a longer
+    #: single prompt is still prefilled alone
+    max_prefill_tokens: int = 4096
+    #: torch.compile the decode step: "none", "inductor", "inductor-frozen" (weights become
+    #: constants: fastest on CPU, ignores later weight updates) or "aot_eager" (traced, bitwise eager);
+    #: MoE models must be bf16 (torch._grouped_mm traces only in bf16)
+    compile_decode: str = "none"
+
+    def validate(self, path: str = "engine") -> None:
+        require_positive(self.cache_memory_mb, f"{path}.cache_memory_mb")
+        require_positive(self.block_size, f"{path}.block_size")
+        require(self.num_blocks >= 0, f"{path}.num_blocks", f"must be >= 0 (0 = from cache_memory_mb), got "
+                f"{self.num_blocks}")
+        require_positive(self.max_batch_size, f"{path}.max_batch_size")
+        require_positive(self.max_prefill_tokens, f"{path}.max_prefill_tokens")
+        require_choice(self.compile_decode, COMPILE_MODES, f"{path}.compile_decode")
+
+    def build(self, *, model: Any, tokenizer: Any = None) -> "Engine":
+        from lockstep.generate.engine import Engine
+
+        return Engine(model, tokenizer, self)
+
+
+@dataclasses.dataclass(kw_only=True)
+class SamplingParams(Config):
+    """How one request samples. ``temperature=0`` is greedy (argmax).
+
+    Log-probabilities are always those of the unmodified model distribution at temperature
+    ``T = temperature`` (``T = 1`` when greedy): ``log_softmax(logits_fp32 / T)`` at the chosen token;
+    top-k/top-p only restrict which tokens may be drawn (see ``lockstep.generate.sampling``).
+    """
+
+    #: most tokens generated (the stop token, when one ends the sequence, counts and is returned)
+    max_new_tokens: int = 16
+    #: softmax temperature; 0 = greedy
+    temperature: float = 1.0
+    #: sample among the k most likely tokens; 0 = all
+    top_k: int = 0
+    #: nucleus sampling: the smallest set of most likely tokens with probability >= top_p; 1 = all
+    top_p: float = 1.0
+    #: seed of this request's own torch.Generator (same seed + same request = same tokens); None = random
+    seed: int | None = None
+    #: token ids that end the sequence (included in token_ids, excluded from text)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    #: strings that end the sequence (text is cut before the stop string; needs a tokenizer)
+    stop: list[str] = dataclasses.field(default_factory=list)
+    #: do not stop at the tokenizer's end-of-sequence token
+    ignore_eos: bool = False
+
+    def validate(self, path: str = "sampling") -> None:
+        require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, f"{path}.max_new_tokens",
+                f"must be an integer >= 1, got {self.max_new_tokens!r}")
+        require(self.temperature >= 0, f"{path}.temperature", f"must be >= 0 (0 = greedy), got {self.temperature!r}")
+        require(isinstance(self.top_k, int) and self.top_k >= 0, f"{path}.top_k",
+                f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        require(0 < self.top_p <= 1, f"{path}.top_p", f"must be in (0, 1], got {self.top_p!r}")
+        require(self.seed is None or isinstance(self.seed, int), f"{path}.seed",
+                f"must be an integer or None, got {self.seed!r}")
+        require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), f"{path}.stop_token_ids",
+                f"must be non-negative integers, got {self.stop_token_ids!r}")
+        require(all(isinstance(s, str) and s for s in self.stop), f"{path}.stop",
+                f"must be non-empty strings, got {self.stop!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclasses.dataclass(kw_only=True)
+class Request:
+    """One prompt to complete: token ids, or text when the engine has a tokenizer."""
+
+    #: the prompt's token ids (the model sees exactly these; no BOS is added)
+    prompt_ids: list[int] | None = None
+    #: the prompt as text, encoded with the engine's tokenizer (when prompt_ids is not given)
+    prompt: str | None = None
+    #: how to sample
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    #: caller's label, returned with the result
+    request_id: str | None = None

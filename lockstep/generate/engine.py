@@ -1,0 +1,286 @@
+"""The generation engine: the training model's own modules, a paged KV cache, continuous batching.
+
+``Engine(model, tokenizer, config)`` takes any lockstep ``Transformer`` (every family: dense GQA,
+MoE, MLA) and drives it through ``model.trunk(tokens, positions, cache=...)`` and ``model.output``;
+there is no second model class. Each :meth:`Engine.step`:
+
+1. admits waiting requests that fit (:mod:`lockstep.generate.scheduler`);
+2. prefills the admitted prompts in one padded batch (``[B, longest prompt]``; padding tokens
+   write to the cache's null block and are never attended) and samples each one's first token;
+3. runs one batched decode step (``[B, 1]``) for every running sequence;
+4. releases finished sequences (their blocks return to the pool).
+
+Only the last position of each sequence goes through the output head. ``compile_decode`` wraps the
+decode forward in ``torch.compile``; the batch is then padded to a power of two (at most
+``max_batch_size``) so each bucket compiles once, and the cache's attention stays outside the graph
+(its context length changes every step).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.config.base import ConfigError
+from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts
+from lockstep.generate.config import EngineConfig, Request, SamplingParams
+from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
+from lockstep.generate.sampling import request_generator, sample_next
+from lockstep.generate.scheduler import Scheduler, Sequence
+
+
+def tokenizer_eos_id(tokenizer: Any) -> int | None:
+    """End-of-sequence id of a lockstep Tokenizer (``eos_id``) or a transformers one (``eos_token_id``)."""
+    for attr in ("eos_id", "eos_token_id"):
+        value = getattr(tokenizer, attr, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _check_compilable(model: nn.Module) -> None:
+    """Refuse what ``torch.compile`` cannot trace in the decode step, naming the module."""
+    from lockstep.models.common.moe import GroupedExperts, _resolve_impl
+
+    for name, module in model.named_modules():
+        if (isinstance(module, GroupedExperts) and module.w1.dtype != torch.bfloat16
+                and _resolve_impl(module.impl, module.w1.device) == "grouped_mm"):
+            raise ConfigError(
+                f"engine.compile_decode: {name} computes its experts with torch._grouped_mm in {module.w1.dtype}, "
+                f"which torch.compile cannot trace (its compile-time kernel takes bf16 only); use a bf16 model or "
+                f"compile_decode='none'")
+
+
+class Engine:
+    """Batched, cached generation with the model's own modules; see the module docstring."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        config.validate()
+        if not hasattr(model, "trunk") or not hasattr(model, "layers"):
+            raise TypeError(f"Engine needs a lockstep Transformer (with trunk() and layers), "
+                            f"got {type(model).__name__}")
+        self.model, self.tokenizer = model, tokenizer
+        weight = model.tok_embeddings.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.vocab_size, self.max_seq_len = model.config.vocab_size, model.config.max_seq_len
+        self.eos_id = tokenizer_eos_id(tokenizer) if tokenizer is not None else None
+        layouts = layer_layouts(model)
+        per_block = PagedKVCache.bytes_per_block(layouts, config.block_size, self.dtype)
+        num_blocks = config.num_blocks or int(config.cache_memory_mb * 2**20 // per_block)
+        if num_blocks < 1:
+            raise ConfigError(f"engine.cache_memory_mb: {config.cache_memory_mb} MiB holds no cache block "
+                              f"({per_block} bytes each at block_size={config.block_size})")
+        self.cache = PagedKVCache(layouts, num_blocks, config.block_size, self.dtype, self.device)
+        self.scheduler = Scheduler(self.cache.allocator, config.block_size, config.max_batch_size,
+                                   config.max_prefill_tokens)
+        #: optional hook, called as ``on_logits(seq_ids, logits [B, V])`` for every sampled row (tests, debugging)
+        self.on_logits: Callable[[list[int], torch.Tensor], None] | None = None
+        self._next_id = 0
+        self._decode_forward = self._forward_last
+        if config.compile_decode != "none":
+            _check_compilable(model)
+            backend = "aot_eager" if config.compile_decode == "aot_eager" else "inductor"
+            options = {"freezing": True} if config.compile_decode == "inductor-frozen" else None
+            self._decode_forward = torch.compile(self._forward_last, backend=backend, dynamic=False,
+                                                 options=options)
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> int:
+        """Queue a request (validated now); returns its sequence id. It joins the running batch at
+        the next :meth:`step` with room for it."""
+        seq = self._make_sequence(request)
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> GenerationResult | None:
+        """Stop a queued or running sequence now and free its blocks; its partial result (or None)."""
+        seq = self.scheduler.abort(seq_id)
+        return None if seq is None else seq.result()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def _make_sequence(self, request: Request) -> Sequence:
+        if not isinstance(request, Request):
+            raise TypeError(f"expected a lockstep.generate.Request, got {type(request).__name__}")
+        sp = request.sampling
+        if not isinstance(sp, SamplingParams):
+            raise ConfigError(f"Request.sampling: must be a SamplingParams, got {type(sp).__name__}")
+        sp.validate("sampling")
+        prompt = self._prompt_ids(request)
+        n = len(prompt)
+        if n > self.max_seq_len:
+            raise ConfigError(f"Request.prompt_ids: the prompt has {n} tokens, longer than the model's context "
+                              f"(model.max_seq_len={self.max_seq_len})")
+        capacity = self.cache.capacity_tokens
+        if n > capacity:
+            raise ConfigError(
+                f"Request.prompt_ids: the prompt has {n} tokens, longer than the KV cache budget of {capacity} "
+                f"tokens ({self.cache.num_blocks} blocks x {self.config.block_size}); raise engine.cache_memory_mb")
+        if sp.stop and self.tokenizer is None:
+            raise ConfigError("sampling.stop: stop strings need an Engine with a tokenizer")
+        bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ConfigError(f"sampling.stop_token_ids: {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        # every token but the last generated one is fed back (and cached): positions < max_seq_len
+        max_new = min(sp.max_new_tokens, self.max_seq_len - n + 1, capacity - n + 1)
+        stop_ids = set(sp.stop_token_ids)
+        if self.eos_id is not None and not sp.ignore_eos:
+            stop_ids.add(self.eos_id)
+        seq = Sequence(self._next_id, request, prompt, max_new, frozenset(stop_ids),
+                       None if sp.greedy else request_generator(sp.seed), TextTracker(self.tokenizer, sp.stop))
+        self._next_id += 1
+        return seq
+
+    def _prompt_ids(self, request: Request) -> list[int]:
+        if request.prompt_ids is not None and request.prompt is not None:
+            raise ConfigError("Request: give prompt_ids or prompt, not both")
+        if request.prompt_ids is None:
+            if request.prompt is None:
+                raise ConfigError("Request.prompt_ids: no prompt given (prompt_ids or prompt)")
+            if self.tokenizer is None:
+                raise ConfigError("Request.prompt: a text prompt needs an Engine with a tokenizer; give prompt_ids")
+            ids = list(self.tokenizer.encode(request.prompt))
+        else:
+            ids = [int(t) for t in request.prompt_ids]
+        if not ids:
+            raise ConfigError("Request.prompt_ids: the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfigError(f"Request.prompt_ids: token ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {self.vocab_size})")
+        return ids
+
+    # ----------------------------------------------------------------- driving
+
+    def step(self) -> list[StreamEvent]:
+        """Admit, prefill the newcomers, decode every running sequence once; events of every sequence."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.inference_mode():
+                events: list[StreamEvent] = []
+                admitted = self.scheduler.admit()
+                if admitted:
+                    events += self._prefill(admitted)
+                active = [s for s in self.scheduler.running if s.finish_reason is None]
+                if active:
+                    events += self._decode(active)
+                self.scheduler.release_finished()
+        finally:
+            self.model.train(was_training)
+        return events
+
+    def stream(self, requests: Iterable[Request]) -> Iterator[StreamEvent]:
+        """Tokens of ``requests`` as they are generated (``event.index`` = position in ``requests``).
+
+        All requests are validated before any is queued. Leaving the iterator early aborts the
+        requests it still had running. Drive other requests with ``add_request``/``step`` instead,
+        not beside a live stream (the stream delivers only its own events).
+        """
+        seqs = [self._make_sequence(r) for r in requests]
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        for seq in seqs:
+            self.scheduler.add(seq)
+        pending = set(index)
+        try:
+            while pending:
+                for event in self.step():
+                    if event.seq_id in index:
+                        event.index = index[event.seq_id]
+                        if event.finished:
+                            pending.discard(event.seq_id)
+                        yield event
+        finally:
+            for seq_id in pending:
+                self.scheduler.abort(seq_id)
+
+    def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
+        """Run ``requests`` to completion; one result per request, in order."""
+        requests = list(requests)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        for event in self.stream(requests):
+            if event.finished:
+                results[event.index] = event.result
+        return results  # type: ignore[return-value]
+
+    # ----------------------------------------------------------------- forwards
+
+    def _forward_last(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V] of the last column of ``tokens`` (decode: the only one)."""
+        h = self.model.trunk(tokens, positions, cache=self.cache)[2]
+        return self.model.output(h[:, -1])
+
+    def _prefill(self, seqs: list[Sequence]) -> list[StreamEvent]:
+        lengths = torch.tensor([len(s.prompt_ids) for s in seqs])
+        b, t = len(seqs), int(lengths.max())
+        tokens = torch.zeros(b, t, dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            tokens[i, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
+        valid = torch.arange(t)[None] < lengths[:, None]
+        positions = torch.arange(t).expand(b, t) * valid
+        tables = self._block_tables(seqs, -(-t // self.config.block_size))
+        self._set_step(tables, positions, valid)
+        h = self.model.trunk(tokens.to(self.device), positions.to(self.device), cache=self.cache)[2]
+        last = h[torch.arange(b, device=self.device), (lengths - 1).to(self.device)]
+        return self._sample(seqs, self.model.output(last))
+
+    def _decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
+        b = len(seqs)
+        rows = b if self._decode_forward is self._forward_last else self._bucket(b)
+        tokens = torch.zeros(rows, 1, dtype=torch.long)
+        positions = torch.zeros(rows, 1, dtype=torch.long)
+        tokens[:b, 0] = torch.tensor([s.last_token for s in seqs])
+        positions[:b, 0] = torch.tensor([s.length - 1 for s in seqs])
+        n_blocks = -(-max(s.length for s in seqs) // self.config.block_size)
+        tables = self._block_tables(seqs, n_blocks, rows)
+        valid = torch.arange(rows)[:, None] < b
+        self._set_step(tables, positions, valid)
+        logits = self._decode_forward(tokens.to(self.device), positions.to(self.device))
+        return self._sample(seqs, logits[:b])
+
+    def _bucket(self, b: int) -> int:
+        return min(1 << max(0, math.ceil(math.log2(b))), max(b, self.config.max_batch_size))
+
+    def _block_tables(self, seqs: list[Sequence], n_blocks: int, rows: int | None = None) -> torch.Tensor:
+        tables = torch.zeros(rows or len(seqs), n_blocks, dtype=torch.long)  # 0: the null block
+        for i, seq in enumerate(seqs):
+            blocks = seq.blocks[:n_blocks]
+            tables[i, : blocks.numel()] = blocks
+        return tables
+
+    def _set_step(self, tables: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
+        bs = self.config.block_size
+        slots = tables.gather(1, positions // bs) * bs + positions % bs
+        slots = slots * valid  # padding -> slot 0 of the null block
+        self.cache.set_step(StepMetadata(slots.reshape(-1).to(self.device), tables.to(self.device),
+                                         positions.to(self.device)))
+
+    # ----------------------------------------------------------------- sampling
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StreamEvent]:
+        if self.on_logits is not None:
+            self.on_logits([s.seq_id for s in seqs], logits)
+        tokens, logprobs = sample_next(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
+        events = []
+        for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
+            seq.generated.append(token)
+            seq.logprobs.append(logprob)
+            stop_token = token in seq.stop_ids
+            stop_string = seq.text.push(None if stop_token else token)
+            if stop_token or stop_string:
+                seq.finish_reason = "stop"
+            elif len(seq.generated) >= seq.max_new:
+                seq.finish_reason = "length"
+            finished = seq.finish_reason is not None
+            events.append(StreamEvent(seq.seq_id, seq.seq_id, seq.request.request_id, token, logprob,
+                                      seq.text.delta(final=finished), finished, seq.finish_reason,
+                                      seq.result() if finished else None))
+        return events
