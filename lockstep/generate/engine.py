@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
@@ -162,6 +163,7 @@ class Engine:
 
     def step(self) -> list[StreamEvent]:
         """Admit, prefill the newcomers, decode every running sequence once; events of every sequence."""
+        numerics.prepare_model(self.model)  # kernels follow the batch-invariant switch as it is now
         was_training = self.model.training
         self.model.eval()
         try:

@@ -8,6 +8,7 @@ from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.config.base import Config, require, require_choice, require_positive
 from lockstep.data.config import DataConfig
 from lockstep.models.common.transformer import TransformerConfig
+from lockstep.numerics import NumericsConfig
 from lockstep.parallel.dims import ParallelConfig
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
@@ -109,6 +110,8 @@ class TrainerConfig(Config):
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     #: periodic full-state checkpoints
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    #: numerics switches (batch-invariant kernels)
+    numerics: NumericsConfig = dataclasses.field(default_factory=NumericsConfig)
     #: names of the model-config transforms that were applied, in order (recorded, not re-applied)
     transforms: list[str] = dataclasses.field(default_factory=list)
 
@@ -137,3 +140,8 @@ class TrainerConfig(Config):
         self.output.validate("output")
         self.parallel.validate("parallel")
         self.checkpoint.validate("checkpoint")
+        self.numerics.validate("numerics")
+        if self.numerics.batch_invariant:
+            require(self.parallel.tp == 1 and self.parallel.cp == 1 and self.parallel.pp == 1,
+                    "numerics.batch_invariant", "is supported without tensor, context or pipeline parallelism "
+                    "(docs/numerics.md); set parallel.tp/cp/pp to 1")

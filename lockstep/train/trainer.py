@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from lockstep import numerics
 from lockstep.config.base import ConfigError, to_dict
 from lockstep.data.config import DataBundle
 from lockstep.models.common.transformer import Transformer, build_model
@@ -143,6 +144,14 @@ class Trainer:
             model = build_model(config.model, seed=config.seed)
         self.flops_per_token = model.flops_per_token(cfg.seq_len)
         self.model_info = self._model_info(model)
+        config.numerics.build()  # the process-wide switch; the model's kernels follow it
+        self.agreement = None
+        if config.numerics.batch_invariant:
+            numerics.prepare_model(model)  # before parallelize: FSDP changes module classes
+            if self.runtime.world_size == 1:
+                from lockstep.rl.agreement import measure_agreement
+
+                self.agreement = measure_agreement(model, seed=config.seed)
         self.model: Transformer = self.runtime.parallelize(model, config.parallel, cfg.activation_checkpoint)
         self.pipeline = self.runtime.pipeline  # None unless pp > 1: then self.model holds this rank's stages
         self.optimizer = config.optimizer.build(self.model)
@@ -193,6 +202,7 @@ class Trainer:
                 "compute_dtype": self.config.training.dtype,
                 "autocast": self.dtype != torch.float32,
             },
+            numerics={**numerics.thread_settings(), "agreement": self.agreement},
             determinism={
                 "seed": self.config.seed,
                 "threads": torch.get_num_threads(),
@@ -214,6 +224,9 @@ class Trainer:
             if self.checkpointing is not None else None,
             parallel=self.runtime.describe(self.config.model.family, self.config.parallel),
         )
+        if self.agreement is not None:
+            manifest.add_check("batch_invariance", self.agreement["logprob_diff/max"] == 0.0
+                               and self.agreement["batch_vs_alone/max"] == 0.0, **self.agreement)
         if self.config.output.parity_check:
             from lockstep.models.hf.parity import family_parity
 

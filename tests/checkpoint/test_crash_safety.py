@@ -85,6 +85,16 @@ def _check_loadable(storage: LocalStorage, expected_at_least: int) -> int:
 
 @pytest.mark.slow
 def test_kill_9_during_saves_never_loses_the_previous_checkpoint(tmp_path):
+    started: list[subprocess.Popen] = []
+    try:
+        _kill_rounds(tmp_path, started)
+    finally:  # a failed assertion must not leave a trainer saving every step for hours
+        for proc in started:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _kill_rounds(tmp_path, started):
     rng = random.Random(20261203)
     run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     storage = LocalStorage(str(ckpts))
@@ -95,6 +105,7 @@ def test_kill_9_during_saves_never_loses_the_previous_checkpoint(tmp_path):
         log = tmp_path / f"round{round_}.log"
         left_behind = _partials(ckpts)
         proc = _start(run, 10_000, resume=round_ > 0, log=log)
+        started.append(proc)
         pids.add(proc.pid)
         _wait_for_save_in_flight(proc, ckpts, log, after_step=last, old=left_behind)
         if round_ > 0:
@@ -129,6 +140,7 @@ def test_kill_9_during_saves_never_loses_the_previous_checkpoint(tmp_path):
     log = tmp_path / "final.log"
     final_steps = last + 3
     proc = _start(run, final_steps, resume=True, log=log)
+    started.append(proc)
     pids.add(proc.pid)
     assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     text = log.read_text()

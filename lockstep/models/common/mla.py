@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep import numerics
 from lockstep.config.base import require, require_choice, require_positive
 from lockstep.models.common.attention import AttentionConfig
 from lockstep.models.common.norm import RMSNorm
@@ -116,6 +117,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.qk_head_dim, self.v_head_dim = config.qk_head_dim, config.v_head_dim
         self.backend_name = config.backend
         self.backend = get_attention(config.backend)
+        #: attend over the absorbed latent also without a cache (batch-invariant mode sets it, so the
+        #: trainer computes exactly what the engine's cache path computes)
+        self.absorb = False
         self.scale = (config.softmax_mscale or 1.0) / math.sqrt(self.qk_head_dim)
         bias = config.qkv_bias
         if self.q_lora_rank:
@@ -144,8 +148,8 @@ class MultiHeadLatentAttention(nn.Module):
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         cos, sin = rope
         q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
-        if cache is not None:
-            return self._forward_cached(q_nope, q_pe, c_kv, k_pe, cache)
+        if cache is not None or self.absorb:
+            return self._forward_absorbed(q_nope, q_pe, c_kv, k_pe, cache)
 
         kv = self.wkv_b(self.kv_norm(c_kv)).view(bsz, seq, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = torch.split(kv.transpose(1, 2), [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
@@ -155,15 +159,20 @@ class MultiHeadLatentAttention(nn.Module):
         out = self.backend(q, k, v, causal=True, scale=self.scale)  # [B, H, T, v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
-    def _forward_cached(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                        cache: Any) -> torch.Tensor:
-        """Attention over the cached latent with ``wkv_b`` absorbed (module docstring)."""
+    def _forward_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                          cache: Any) -> torch.Tensor:
+        """Attention over the latent with ``wkv_b`` absorbed (module docstring): over the cache's
+        context, or (``cache is None``) causally over this call's own tokens."""
         bsz, _, seq, _ = q_nope.shape
         latent = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(1)], dim=-1)  # [B, T, kv_lora_rank + rope]
         w = self.wkv_b.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
-        q = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk), q_pe], dim=-1)
-        out = cache.attend_latent(q, latent, value_dim=self.kv_lora_rank, backend=self.backend_name,
-                                  scale=self.scale)  # [B, H, T, kv_lora_rank]
-        out = torch.einsum("bhtr,hvr->bhtv", out, w_uv)
+        q = torch.cat([numerics.head_matmul(q_nope, w_uk), q_pe], dim=-1)
+        if cache is None:
+            kv = latent[:, None]  # one key/value head shared by every query head
+            out = self.backend(q, kv, kv[..., : self.kv_lora_rank], causal=True, scale=self.scale)
+        else:
+            out = cache.attend_latent(q, latent, value_dim=self.kv_lora_rank, backend=self.backend_name,
+                                      scale=self.scale)  # [B, H, T, kv_lora_rank]
+        out = numerics.head_matmul(out, w_uv.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

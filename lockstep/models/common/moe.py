@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep import numerics
 from lockstep.config.base import require, require_choice, require_positive
 from lockstep.models.common.mlp import FeedForwardConfig, SwiGLU
 from lockstep.models.common.moe_routing import (
@@ -126,6 +127,12 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    from lockstep.ops.batch_invariant import linear
+
+    return linear(x, weight)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: ``w1, w3 [E, F, D]`` and ``w2 [E, D, F]`` (Linear layout)."""
 
@@ -147,6 +154,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x [N, D]`` sorted by expert, ``counts [E]`` tokens per expert -> ``[N, D]``."""
+        if numerics.is_batch_invariant():  # each expert's rows in fixed tiles (lockstep.ops.batch_invariant)
+            return self._loop(x, counts, invariant_linear)
         if _resolve_impl(self.impl, x.device) == "grouped_mm":
             return self._grouped_mm(x, counts)
         return self._loop(x, counts)
@@ -162,11 +171,11 @@ class GroupedExperts(nn.Module):
         up = _contiguous_grad(torch._grouped_mm(x, w3.mT, offs=offs))
         return _contiguous_grad(torch._grouped_mm(F.silu(gate) * up, w2.mT, offs=offs))
 
-    def _loop(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _loop(self, x: torch.Tensor, counts: torch.Tensor, linear=F.linear) -> torch.Tensor:
         outs = []
         for e, chunk in enumerate(x.split(counts.tolist())):
             if chunk.shape[0]:
-                outs.append(F.linear(F.silu(F.linear(chunk, self.w1[e])) * F.linear(chunk, self.w3[e]), self.w2[e]))
+                outs.append(linear(F.silu(linear(chunk, self.w1[e])) * linear(chunk, self.w3[e]), self.w2[e]))
         return torch.cat(outs) if outs else x.new_zeros(0, self.dim)
 
 
@@ -201,7 +210,7 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         n_tokens, cfg = flat.shape[0], self.config
         with torch.autocast(x.device.type, enabled=False):  # routing in fp32, as DeepSeek-V3 does
-            logits = F.linear(flat.float(), self.gate.weight.float())
+            logits = numerics.linear(flat.float(), self.gate.weight.float())
         if cfg.routing == "forced_balanced":
             indices = forced_balanced_indices(n_tokens, self.top_k, self.n_experts, flat.device)
             # Uniform 1/k weights; the gate still runs and joins the graph with a zero gradient, so

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from lockstep import numerics
+
 
 def expert_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     """Per-expert affinity in fp32: softmax over experts, or an independent sigmoid per expert."""
@@ -18,7 +20,7 @@ def expert_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     if score_func == "softmax":
         return logits.softmax(dim=-1)
     if score_func == "sigmoid":
-        return logits.sigmoid()
+        return numerics.rowwise(torch.sigmoid, logits)
     raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
 
 

@@ -1,0 +1,138 @@
+"""Process-wide numerics switches: batch-invariant mode.
+
+In batch-invariant mode a sequence's logits and log-probabilities do not depend on the batch it
+is computed in (size, order, the other sequences, padding) or on whether keys and values come
+from a KV cache: the trainer's full-sequence scoring and the generation engine's prefill/decode
+give bitwise-identical log-probabilities. ``docs/numerics.md`` states the promise and its scope.
+
+    from lockstep import numerics
+    numerics.set_batch_invariant(True)          # what a recipe's numerics.batch_invariant does
+    with numerics.batch_invariant():            # or for a block
+        ...
+
+The switch is read at call time by the kernels in :mod:`lockstep.ops` (attention backends, MoE
+expert matmuls, MLA's per-head projections) and by the linear layers that
+:func:`prepare_model` converts, so a model built before the switch was set follows it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from lockstep.config.base import Config
+
+_BATCH_INVARIANT = False
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Turn batch-invariant kernels on or off for this process."""
+    global _BATCH_INVARIANT
+    _BATCH_INVARIANT = bool(enabled)
+
+
+def is_batch_invariant() -> bool:
+    return _BATCH_INVARIANT
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Batch-invariant mode inside the block; the previous setting is restored after it."""
+    previous = _BATCH_INVARIANT
+    set_batch_invariant(enabled)
+    try:
+        yield
+    finally:
+        set_batch_invariant(previous)
+
+
+class SwitchableLinear(nn.Linear):
+    """An ``nn.Linear`` whose forward uses the batch-invariant matmul while the switch is on.
+
+    Same parameters, names and state dict as the ``nn.Linear`` it replaces (only the class changes),
+    so checkpoints, HF conversion and parallel plans see no difference."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _BATCH_INVARIANT:
+            from lockstep.ops.batch_invariant import linear
+
+            return linear(x, self.weight, self.bias)
+        return super().forward(x)
+
+
+def prepare_model(model: nn.Module) -> nn.Module:
+    """Make ``model``'s kernels follow the switch as it is now (idempotent, cheap: call it before
+    each use, as the engine and :func:`lockstep.rl.score_logprobs` do).
+
+    Linear layers become :class:`SwitchableLinear` (which reads the switch per call); attention
+    layers get the ``batch_invariant`` backend while the switch is on and their configured one
+    otherwise; MLA layers attend over the absorbed latent in both cases that must agree (the
+    engine's cache path always does). MoE expert matmuls and routers read the switch themselves.
+    """
+    from lockstep.ops.attention import get_attention
+
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = SwitchableLinear
+        elif hasattr(module, "backend_name") and hasattr(module, "backend"):
+            configured = module.__dict__.setdefault("_configured_backend", module.backend_name)
+            name = "batch_invariant" if _BATCH_INVARIANT else configured
+            if module.backend_name != name:
+                module.backend_name, module.backend = name, get_attention(name)
+            if hasattr(module, "absorb"):
+                module.absorb = _BATCH_INVARIANT
+    return model
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, batch-invariant while the switch is on (for model code that calls it directly)."""
+    if _BATCH_INVARIANT:
+        from lockstep.ops.batch_invariant import linear as invariant_linear
+
+        return invariant_linear(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, K] @ weight [H, K, N]`` per head; batch-invariant while the switch is on."""
+    if _BATCH_INVARIANT:
+        from lockstep.ops.batch_invariant import head_matmul as invariant_head_matmul
+
+        return invariant_head_matmul(x, weight)
+    return torch.einsum("bhtk,hkn->bhtn", x, weight)
+
+
+def rowwise(fn, x: torch.Tensor, multiple: int = 64) -> torch.Tensor:
+    """``fn(x)`` for an elementwise transcendental (sigmoid, exp, ...) over ``x [..., D]``.
+
+    PyTorch's CPU elementwise kernels run the last ``numel % (2 * vector width)`` elements through
+    a scalar loop whose exp/sigmoid can differ from the vector code in the last bit, so with a
+    narrow last dim (8 router scores) a row's bits depend on where it sits in the tensor. While the
+    switch is on, the last dim is padded to a multiple of ``multiple`` so every row is computed by
+    whole vectors; off, this is ``fn(x)``."""
+    if not _BATCH_INVARIANT or x.shape[-1] % multiple == 0:
+        return fn(x)
+    pad = multiple - x.shape[-1] % multiple
+    return fn(torch.nn.functional.pad(x, (0, pad)))[..., : x.shape[-1]]
+
+
+def thread_settings() -> dict:
+    """What a bitwise promise depends on in this process (recorded in run manifests)."""
+    return {"batch_invariant": _BATCH_INVARIANT, "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+
+
+@dataclasses.dataclass(kw_only=True)
+class NumericsConfig(Config):
+    """Numerics choices of a run."""
+
+    #: batch-invariant kernels for the whole run (trainer and generator): bitwise-equal
+    #: log-probabilities whatever the batch; see docs/numerics.md for the scope
+    batch_invariant: bool = False
+
+    def build(self) -> None:
+        set_batch_invariant(self.batch_invariant)

@@ -1,0 +1,150 @@
+"""Batch-invariant kernels: a row's result does not depend on the other rows in the call.
+
+Measured on this CPU (torch 2.13, oneDNN/MKL; ``benchmarks/batch_invariant_probe.py``): a plain
+``x @ W`` picks its kernel by the row count (GEMV for one row, other micro-kernels below ~16 rows,
+other thread splits above), so the same row gives different bits in a batch of 1, 7 or 64; row
+reductions (sum, mean, amax, softmax, log_softmax, RMSNorm) and elementwise ops do not. But a
+``bmm`` whose every entry has the *same* shape gives each entry (and each row of it) the same bits
+whatever the entry count, the row's position in the tile and the other rows' values. So every
+matmul here runs as a ``bmm`` of fixed-shape tiles:
+
+* :func:`tiled_matmul` / :func:`linear`: rows padded to a multiple of ``ROW_TILE`` and multiplied
+  tile by tile (backward is the ordinary full-batch matmul: only forward values must be invariant).
+* :func:`chunked_attention`: keys in fixed chunks of ``KV_CHUNK`` positions (chunk ``j`` always
+  holds positions ``[j*C, (j+1)*C)``), query rows of one key/value head in tiles of
+  ``ATTN_ROW_TILE``; scores and probability-weighted values per (tile, chunk) are fixed-shape bmm
+  entries; the softmax uses the max over every unmasked key and sums chunk partials in chunk
+  order. Chunks a query cannot see add exact zeros, so a query at position t gets the same bits
+  from a full-sequence forward (trainer, prefill) and from a KV-cache decode step.
+
+Everything is fp32 inside attention (inputs upcast); linear computes in its input dtype (under
+autocast: the autocast dtype, as ``F.linear`` would).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from lockstep.ops.attention import register_attention, register_cached_attention
+
+ROW_TILE = 32
+ATTN_ROW_TILE = 16
+KV_CHUNK = 32
+
+
+def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` computed as fixed ``[tile, K] @ [K, N]`` bmm entries."""
+    m, k = a.shape
+    n_tiles = max(1, -(-m // tile))
+    padded = F.pad(a, (0, 0, 0, n_tiles * tile - m)) if n_tiles * tile != m else a
+    out = torch.bmm(padded.reshape(n_tiles, tile, k), b.expand(n_tiles, *b.shape))
+    return out.reshape(n_tiles * tile, b.shape[1])[:m]
+
+
+class _TiledLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = tiled_matmul(x.reshape(-1, x.shape[-1]), weight.t())
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        grad_x = (flat @ weight).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        grad_w = flat.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        grad_b = flat.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-invariant ``F.linear`` (autocast honoured: inputs cast as F.linear's would be)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        with torch.autocast(device, enabled=False):
+            return _TiledLinear.apply(x, weight, bias)
+    return _TiledLinear.apply(x, weight, bias)
+
+
+def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, T, K] @ weight [H, K, N] -> [B, H, T, N]`` (a per-head projection, e.g. MLA's
+    absorbed ``wkv_b``), each head's rows in fixed tiles."""
+    b, h, t, k = x.shape
+    rows = x.transpose(0, 1).reshape(h, b * t, k)
+    tiles = max(1, -(-(b * t) // ROW_TILE))
+    rows = F.pad(rows, (0, 0, 0, tiles * ROW_TILE - b * t))
+    out = torch.bmm(rows.reshape(h * tiles, ROW_TILE, k),
+                    weight[:, None].expand(h, tiles, k, weight.shape[-1]).reshape(h * tiles, k, -1))
+    out = out.reshape(h, tiles * ROW_TILE, -1)[:, : b * t]
+    return out.reshape(h, b, t, -1).transpose(0, 1)
+
+
+def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                      scale: float | None = None) -> torch.Tensor:
+    """Causal attention by absolute position, batch-invariant (module docstring).
+
+    ``q [B, H, T, D]``, ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]`` with key ``s`` at position
+    ``s``; ``q_positions [B, T]``: query ``(b, t)`` sees keys ``s <= q_positions[b, t]``. Returns
+    ``[B, H, T, Dv]`` in q's dtype. Keys past a sequence's length must be finite (they get weight 0).
+    """
+    bsz, heads, t, d = q.shape
+    kv_heads, s, dv = k.shape[1], k.shape[2], v.shape[-1]
+    groups, g_rows = heads // kv_heads, heads // kv_heads * t
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    n_q = max(1, -(-g_rows // ATTN_ROW_TILE))
+    n_c = max(1, -(-s // KV_CHUNK))
+    pad_rows, pad_keys = n_q * ATTN_ROW_TILE - g_rows, n_c * KV_CHUNK - s
+    # rows of one kv head: (group, t); tiles of ATTN_ROW_TILE rows
+    rows = q.float().reshape(bsz, kv_heads, g_rows, d)
+    rows = F.pad(rows, (0, 0, 0, pad_rows)).reshape(bsz, kv_heads, n_q, 1, ATTN_ROW_TILE, d)
+    pos = q_positions[:, None, None, :].expand(bsz, kv_heads, groups, t).reshape(bsz, kv_heads, g_rows)
+    pos = F.pad(pos, (0, pad_rows)).reshape(bsz, kv_heads, n_q, 1, ATTN_ROW_TILE, 1)
+    keys = F.pad(k.float(), (0, 0, 0, pad_keys)).reshape(bsz, kv_heads, 1, n_c, KV_CHUNK, d)
+    values = F.pad(v.float(), (0, 0, 0, pad_keys)).reshape(bsz, kv_heads, 1, n_c, KV_CHUNK, dv)
+    entries = bsz * kv_heads * n_q * n_c
+    shape = (bsz, kv_heads, n_q, n_c)
+    scores = torch.bmm(rows.expand(*shape, ATTN_ROW_TILE, d).reshape(entries, ATTN_ROW_TILE, d),
+                       keys.expand(*shape, KV_CHUNK, d).reshape(entries, KV_CHUNK, d).transpose(1, 2))
+    scores = scores.reshape(*shape, ATTN_ROW_TILE, KV_CHUNK) * scale
+    key_pos = torch.arange(n_c * KV_CHUNK, device=q.device).reshape(n_c, 1, KV_CHUNK)
+    scores = scores.masked_fill(key_pos > pos, float("-inf"))
+    peak = scores.amax(dim=(3, 5), keepdim=True)  # exact: max does not depend on order
+    probs = torch.exp(scores - peak)
+    partial = torch.bmm(probs.reshape(entries, ATTN_ROW_TILE, KV_CHUNK),
+                        values.expand(*shape, KV_CHUNK, dv).reshape(entries, KV_CHUNK, dv))
+    partial = partial.reshape(*shape, ATTN_ROW_TILE, dv)
+    sums = probs.sum(-1)  # [B, Hkv, nq, nc, tile]
+    out, total = partial[:, :, :, 0], sums[:, :, :, 0]
+    for j in range(1, n_c):  # chunk order fixed: chunks a query cannot see add exact zeros
+        out, total = out + partial[:, :, :, j], total + sums[:, :, :, j]
+    out = (out / total[..., None]).reshape(bsz, kv_heads, n_q * ATTN_ROW_TILE, dv)[:, :, :g_rows]
+    return out.reshape(bsz, heads, t, dv).to(q.dtype)
+
+
+def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                    mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """The backend signature of :mod:`lockstep.ops.attention` (the last query sees the last key)."""
+    if mask is not None or not causal:
+        raise ValueError("attention backend 'batch_invariant' supports causal attention without an explicit mask")
+    t, s = q.shape[2], k.shape[2]
+    positions = torch.arange(s - t, s, device=q.device).expand(q.shape[0], t)
+    return chunked_attention(q, k, v, positions, scale)
+
+
+def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
+                      scale: float | None = None) -> torch.Tensor:
+    return chunked_attention(q, k, v, q_positions, scale)
+
+
+register_attention("batch_invariant")(_full_attention)
+register_cached_attention("batch_invariant")(_cached_attention)

@@ -1,0 +1,70 @@
+"""Trainer-side scoring: the log-probability of each response token under the model.
+
+``score_logprobs(model, sequences, prompt_lengths)`` is the trainer's half of the agreement the RL
+loop measures: the engine records ``token_logprobs`` of each token as it samples it, the trainer
+recomputes them here from one full-sequence forward, with the same function
+(:func:`lockstep.generate.sampling.token_logprobs`). In batch-invariant mode
+(:func:`lockstep.numerics.set_batch_invariant`) the two are bitwise equal; see docs/numerics.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from lockstep import numerics
+from lockstep.config.base import ConfigError
+from lockstep.generate.sampling import token_logprobs
+
+
+def _as_ids(seq) -> list[int]:
+    return seq.tolist() if isinstance(seq, torch.Tensor) else [int(t) for t in seq]
+
+
+def score_logprobs(model: nn.Module, sequences: Sequence[Sequence[int] | torch.Tensor],
+                   prompt_lengths: Sequence[int], *, temperature: float | Sequence[float] = 1.0
+                   ) -> list[torch.Tensor]:
+    """Per sequence, the fp32 log-probabilities ``[len - prompt_len]`` of its tokens after the prompt.
+
+    ``sequences[i]`` is prompt + response token ids; ``prompt_lengths[i]`` (>= 1) how many are
+    prompt. ``temperature`` (one, or one per sequence) is the T of ``log_softmax(logits / T)``, the
+    distribution the engine sampled from (1 for greedy). The batch is right-padded to the longest
+    sequence and run through ``model.trunk`` + ``model.output`` once; gradients flow unless the
+    caller disables them.
+    """
+    ids = [_as_ids(s) for s in sequences]
+    lengths = [int(p) for p in prompt_lengths]
+    if len(ids) != len(lengths):
+        raise ConfigError(f"score_logprobs: {len(ids)} sequences but {len(lengths)} prompt_lengths")
+    if not ids:
+        return []
+    temps = [float(temperature)] * len(ids) if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
+    if len(temps) != len(ids):
+        raise ConfigError(f"score_logprobs: temperature: {len(temps)} values for {len(ids)} sequences")
+    vocab = model.config.vocab_size
+    for i, (seq, p, t) in enumerate(zip(ids, lengths, temps)):
+        if not 1 <= p <= len(seq):
+            raise ConfigError(f"score_logprobs: prompt_lengths[{i}]: {p} is outside [1, {len(seq)}] "
+                              f"(sequence {i} has {len(seq)} tokens)")
+        if any(not 0 <= tok < vocab for tok in seq):
+            raise ConfigError(f"score_logprobs: sequences[{i}] has token ids outside the vocabulary [0, {vocab})")
+        if t <= 0:
+            raise ConfigError(f"score_logprobs: temperature: must be > 0, got {t} (use 1 for greedy)")
+    numerics.prepare_model(model)
+    device = model.tok_embeddings.weight.device
+    width = max(len(s) for s in ids)
+    tokens = torch.zeros(len(ids), width, dtype=torch.long)
+    for i, seq in enumerate(ids):
+        tokens[i, : len(seq)] = torch.tensor(seq)
+    tokens = tokens.to(device)
+    h = model.trunk(tokens)[2]
+    # only the rows that predict a response token go through the head
+    rows = [(i, p - 1, len(s) - 1) for i, (s, p) in enumerate(zip(ids, lengths))]
+    picked = torch.cat([h[i, a:b] for i, a, b in rows])
+    logits = model.output(picked)
+    targets = torch.cat([tokens[i, a + 1:b + 1] for i, a, b in rows])
+    temp = torch.cat([torch.full((b - a,), t) for (_, a, b), t in zip(rows, temps)])
+    scored = token_logprobs(logits, targets, temp)
+    return list(scored.split([b - a for _, a, b in rows]))

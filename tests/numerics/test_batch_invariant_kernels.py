@@ -1,0 +1,91 @@
+"""The batch-invariant kernels, one by one: bitwise invariance where promised, accuracy elsewhere."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lockstep.ops.attention import reference_attention
+from lockstep.ops.batch_invariant import KV_CHUNK, chunked_attention, head_matmul, linear
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.integers(0, 99), min_size=1, max_size=70))
+def test_linear_row_does_not_depend_on_the_batch(dtype, rows):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(100, 192, generator=g).to(dtype)
+    w = torch.randn(320, 192, generator=g).to(dtype)
+    reference = linear(x, w)
+    assert torch.equal(linear(x[rows], w), reference[rows])
+
+
+def test_plain_matmul_is_not_batch_invariant_here():
+    """Why the tiled kernel exists: on this CPU a lone row (GEMV path) differs from the same row in a batch."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 576, generator=g), torch.randn(1536, 576, generator=g)
+    full = torch.nn.functional.linear(x, w)
+    assert any(not torch.equal(torch.nn.functional.linear(x[i:i + m], w), full[i:i + m])
+               for i, m in ((0, 1), (3, 2), (5, 7)))
+
+
+def test_linear_matches_f_linear_and_its_gradients():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 37, 64, generator=g, requires_grad=True)
+    w = torch.randn(48, 64, generator=g, requires_grad=True)
+    b = torch.randn(48, generator=g, requires_grad=True)
+    ours = linear(x, w, b)
+    theirs = torch.nn.functional.linear(x, w, b)
+    # fp32 sums of 64 products in another order: a few ulps of values of size ~8
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    grads = torch.autograd.grad(ours.square().sum(), (x, w, b))
+    expected = torch.autograd.grad(theirs.square().sum(), (x, w, b))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert linear(x, w, b).dtype == torch.bfloat16
+
+
+def test_head_matmul_is_per_row_invariant_and_right():
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(3, 4, 45, 16, generator=g), torch.randn(4, 16, 24, generator=g)
+    out = head_matmul(x, w)
+    torch.testing.assert_close(out, torch.einsum("bhtn,hnr->bhtr", x, w), rtol=0, atol=1e-5)
+    assert torch.equal(head_matmul(x[1:2, :, 7:9], w), out[1:2, :, 7:9])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 1)])
+def test_decode_from_a_cache_equals_the_full_sequence(dtype, heads, kv_heads):
+    g = torch.Generator().manual_seed(3)
+    b, t, d = 3, 2 * KV_CHUNK + 13, 16
+    q = torch.randn(b, heads, t, d, generator=g).to(dtype)
+    k = torch.randn(b, kv_heads, t, d, generator=g).to(dtype)
+    v = torch.randn(b, kv_heads, t, d, generator=g).to(dtype)
+    full = chunked_attention(q, k, v, torch.arange(t).expand(b, t))
+    # accuracy against plain fp32 softmax attention: fp32 sums in another order
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 output rounding (8 bits of mantissa)
+    torch.testing.assert_close(full.float(), reference_attention(q, k, v, causal=True).float(), rtol=0, atol=tol)
+    for pos in (0, 1, KV_CHUNK - 1, KV_CHUNK, KV_CHUNK + 1, t - 1):
+        # a decode batch of sequences 2 and 0, context padded past pos with other finite values
+        ctx = pos + 1 + 2 * KV_CHUNK
+        kc, vc = torch.randn(2, kv_heads, ctx, d, generator=g).to(dtype), torch.randn(2, kv_heads, ctx, d, generator=g).to(dtype)
+        kc[:, :, : pos + 1], vc[:, :, : pos + 1] = k[[2, 0], :, : pos + 1], v[[2, 0], :, : pos + 1]
+        step = chunked_attention(q[[2, 0], :, pos:pos + 1], kc, vc, torch.full((2, 1), pos))
+        assert torch.equal(step, full[[2, 0], :, pos:pos + 1]), pos
+
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.integers(0, 39), min_size=1, max_size=13))
+def test_rowwise_transcendentals_do_not_depend_on_the_row_position(rows):
+    """Router scores are [tokens, 8]: without padding, rows in the scalar tail of the kernel differ."""
+    from lockstep import numerics
+
+    x = torch.randn(40, 8, generator=torch.Generator().manual_seed(4)) * 4
+    with numerics.batch_invariant():
+        reference = numerics.rowwise(torch.sigmoid, x)
+        assert torch.equal(numerics.rowwise(torch.sigmoid, x[rows]), reference[rows])
+    torch.testing.assert_close(reference, torch.sigmoid(x), rtol=0, atol=1e-6)  # 1-ulp-level: same function
