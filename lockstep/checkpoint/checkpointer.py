@@ -81,6 +81,13 @@ class Checkpointer:
 
     # -- saving -------------------------------------------------------------------------------
 
+    def prepare(self, slots: dict[str, Slot]) -> None:
+        """Plan the layout and fault in the staging buffer now (every rank, together), so the
+        first ``save`` costs what every later one does. Optional: ``save`` plans on first use."""
+        self._ensure_plan(slots)
+        if self._buffer is not None:
+            self._buffer.zero_()  # first touch of shared memory pages is several times a copy's cost
+
     def save(self, step: int, slots: dict[str, Slot], rank_state: dict, metadata: dict | None = None) -> SaveStats:
         """Stage ``slots`` and start writing checkpoint ``step``; every rank calls it at the same step."""
         started = time.perf_counter()

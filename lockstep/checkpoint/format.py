@@ -79,16 +79,23 @@ def plan_shards(tensors: list[tuple[str, str, int, tuple[int, ...]]], prefix: st
                 max_file_bytes: int) -> tuple[list[ShardFile], int]:
     """Lay chunks ``(key, safetensors dtype, itemsize, shape)`` out in one flat buffer, widest
     dtypes first (so every view is aligned), cut into files of at most ``max_file_bytes`` (a larger
-    single tensor gets a file of its own); returns the files and the buffer size."""
-    ordered = sorted(tensors, key=lambda t: (-t[2], t[0]))
+    single tensor gets a file of its own); returns the files and the buffer size.
+
+    0-dim tensors (optimizer step counters) go to a small file of their own: every rank loading
+    the checkpoint needs them, and should not have to read a big shard to get a few bytes."""
+    ordered = sorted(tensors, key=lambda t: (len(t[3]) > 0, -t[2], t[0]))
     files: list[ShardFile] = []
     current: list[Entry] = []
     offset = file_start = 0
     for key, dtype, itemsize, shape in ordered:
         nbytes = itemsize * math.prod(shape)
-        if current and offset + nbytes - file_start > max_file_bytes:
+        scalars_done = current and not current[-1].shape and shape
+        if current and (scalars_done or offset + nbytes - file_start > max_file_bytes):
             files.append(ShardFile(f"{prefix}-{len(files)}.safetensors", tuple(current)))
-            current, file_start = [], offset
+            current = []
+            if scalars_done:
+                offset = -(-offset // 64) * 64  # realign after the scalars for the wide dtypes that follow
+            file_start = offset
         current.append(Entry(key, dtype, tuple(shape), offset, nbytes))
         offset += nbytes
     if current:

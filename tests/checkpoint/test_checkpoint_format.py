@@ -180,3 +180,32 @@ def test_an_idle_dead_writer_is_replaced_silently(tmp_path):
     assert [s.error for s in ck.wait()] == [None]
     ck.close()
     assert latest_step(LocalStorage(tmp_path)) == 1
+
+
+def test_staging_buffers_of_dead_processes_are_freed():
+    from multiprocessing import resource_tracker, shared_memory
+
+    from lockstep.checkpoint import shm
+
+    dead = subprocess_pid_that_exited()
+    name = f"{shm.PREFIX}{shm._pid_namespace()}-{dead}-deadbeef"
+    seg = shared_memory.SharedMemory(name=name, create=True, size=4096)
+    seg.close()
+    resource_tracker.unregister(seg._name, "shared_memory")  # as if its creator had been killed
+    mine = shm.create_segment(4096)  # a live process's buffer must survive
+    try:
+        assert name in shm.remove_stale_segments()
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, name))
+        assert os.path.exists(os.path.join(shm.SHM_DIR, mine.name))
+    finally:
+        mine.close()
+        mine.unlink()
+
+
+def subprocess_pid_that_exited() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
