@@ -8,7 +8,8 @@ reductions (sum, mean, amax, softmax, log_softmax, RMSNorm) and elementwise ops 
 whatever the entry count, the row's position in the tile and the other rows' values. So every
 matmul here runs as a ``bmm`` of fixed-shape tiles:
 
-* :func:`tiled_matmul` / :func:`linear`: rows padded to a multiple of ``ROW_TILE`` and multiplied
+* :func:`tiled_matmul` / :func:`linear`: rows padded to a multiple of ``row_tile(dtype)`` (32
+  rows in fp32, 128 in bf16, where oneDNN's bmm is slow below that) and multiplied
   tile by tile (backward is the ordinary full-batch matmul: only forward values must be invariant).
 * :func:`chunked_attention`: keys in fixed chunks of ``KV_CHUNK`` positions (chunk ``j`` always
   holds positions ``[j*C, (j+1)*C)``), query rows of one key/value head in tiles of
@@ -31,12 +32,20 @@ import torch.nn.functional as F
 from lockstep.ops.attention import register_attention, register_cached_attention
 
 ROW_TILE = 32
+#: bf16/fp16 bmm on CPU is fast only from about 128 rows per entry (oneDNN); fp32 is fine at 32
+HALF_ROW_TILE = 128
 ATTN_ROW_TILE = 16
 KV_CHUNK = 32
 
 
-def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int = ROW_TILE) -> torch.Tensor:
+def row_tile(dtype: torch.dtype) -> int:
+    """Rows per tile for ``dtype``: fixed per dtype, so trainer and generator agree."""
+    return HALF_ROW_TILE if dtype in (torch.bfloat16, torch.float16) else ROW_TILE
+
+
+def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int | None = None) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` computed as fixed ``[tile, K] @ [K, N]`` bmm entries."""
+    tile = tile or row_tile(a.dtype)
     m, k = a.shape
     n_tiles = max(1, -(-m // tile))
     padded = F.pad(a, (0, 0, 0, n_tiles * tile - m)) if n_tiles * tile != m else a
@@ -80,12 +89,13 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [B, H, T, K] @ weight [H, K, N] -> [B, H, T, N]`` (a per-head projection, e.g. MLA's
     absorbed ``wkv_b``), each head's rows in fixed tiles."""
     b, h, t, k = x.shape
+    tile = row_tile(x.dtype)
     rows = x.transpose(0, 1).reshape(h, b * t, k)
-    tiles = max(1, -(-(b * t) // ROW_TILE))
-    rows = F.pad(rows, (0, 0, 0, tiles * ROW_TILE - b * t))
-    out = torch.bmm(rows.reshape(h * tiles, ROW_TILE, k),
+    tiles = max(1, -(-(b * t) // tile))
+    rows = F.pad(rows, (0, 0, 0, tiles * tile - b * t))
+    out = torch.bmm(rows.reshape(h * tiles, tile, k),
                     weight[:, None].expand(h, tiles, k, weight.shape[-1]).reshape(h * tiles, k, -1))
-    out = out.reshape(h, tiles * ROW_TILE, -1)[:, : b * t]
+    out = out.reshape(h, tiles * tile, -1)[:, : b * t]
     return out.reshape(h, b, t, -1).transpose(0, 1)
 
 
