@@ -53,7 +53,7 @@ def _score(model, indices, seqs):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("recipe", FAMILIES)
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(batch=st.lists(st.integers(0, len(LENGTHS) - 1), min_size=1, max_size=6, unique=True))
 def test_trainer_scores_do_not_depend_on_the_batch(recipe, dtype, batch):
     numerics.set_batch_invariant(True)
@@ -64,17 +64,19 @@ def test_trainer_scores_do_not_depend_on_the_batch(recipe, dtype, batch):
         assert torch.equal(scores, alone), (recipe, dtype, batch, i)
 
 
-def _generate_and_score(recipe: str, dtype: torch.dtype, temperature: float):
+def _generate_and_score(recipe: str, dtype: torch.dtype, temperature: float, n_requests: int = 5):
+    """``n_requests`` prompts of mixed lengths through 2 batch slots: requests join as others finish."""
     model = _model(recipe, dtype)
-    seqs = _sequences(model.config.vocab_size)
-    engine = Engine(model, None, EngineConfig(cache_memory_mb=32, max_batch_size=3))
-    requests = [Request(prompt_ids=s[:p], sampling=SamplingParams(max_new_tokens=6 + 3 * i, temperature=temperature,
+    seqs = _sequences(model.config.vocab_size)[:n_requests]
+    engine = Engine(model, None, EngineConfig(cache_memory_mb=32, max_batch_size=2))
+    requests = [Request(prompt_ids=s[:p], sampling=SamplingParams(max_new_tokens=3 + 2 * i, temperature=temperature,
                                                                     seed=i))
                 for i, (s, p) in enumerate(zip(seqs, PROMPTS))]
     results = engine.generate(requests)
     finished = [list(r.prompt_ids) + list(out.token_ids) for r, out in zip(requests, results)]
     with torch.no_grad():
-        scored = score_logprobs(model, finished, PROMPTS, temperature=temperature if temperature > 0 else 1.0)
+        scored = score_logprobs(model, finished, PROMPTS[:n_requests],
+                                temperature=temperature if temperature > 0 else 1.0)
     return [torch.tensor(out.logprobs) for out in results], scored
 
 
@@ -82,10 +84,10 @@ def _generate_and_score(recipe: str, dtype: torch.dtype, temperature: float):
 @pytest.mark.parametrize("recipe", FAMILIES)
 def test_generator_logprobs_equal_trainer_logprobs(recipe, dtype):
     numerics.set_batch_invariant(True)
-    for temperature in (0.0, 0.7):
-        generated, scored = _generate_and_score(recipe, dtype, temperature)
-        for i, (g, s) in enumerate(zip(generated, scored)):
-            assert torch.equal(g, s), (recipe, dtype, temperature, i, (g - s).abs().max())
+    temperature = 0.0 if dtype == torch.float32 else 0.7  # greedy and sampled, one each per family
+    generated, scored = _generate_and_score(recipe, dtype, temperature)
+    for i, (g, s) in enumerate(zip(generated, scored)):
+        assert torch.equal(g, s), (recipe, dtype, temperature, i, (g - s).abs().max())
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -97,7 +99,7 @@ def test_with_the_mode_off_the_same_comparisons_differ(dtype):
     batched = _score(model, batch, seqs)
     alone = [_score(model, [i], seqs)[0] for i in batch]
     assert any(not torch.equal(a, b) for a, b in zip(alone, batched))
-    generated, scored = _generate_and_score("debug", dtype, 0.7)
+    generated, scored = _generate_and_score("debug", dtype, 0.7, n_requests=len(LENGTHS))
     assert any(not torch.equal(g, s) for g, s in zip(generated, scored))
     # and the mode off is what it was: the configured kernels, not the invariant ones
     assert {m.backend_name for m in model.modules() if hasattr(m, "backend_name")} == {"sdpa"}
