@@ -89,3 +89,19 @@ def test_rowwise_transcendentals_do_not_depend_on_the_row_position(rows):
         reference = numerics.rowwise(torch.sigmoid, x)
         assert torch.equal(numerics.rowwise(torch.sigmoid, x[rows]), reference[rows])
     torch.testing.assert_close(reference, torch.sigmoid(x), rtol=0, atol=1e-6)  # 1-ulp-level: same function
+
+
+@pytest.mark.parametrize("square", [True, False])
+def test_attention_gradients_are_the_ordinary_ones(square):
+    """The backward recomputes plain SDPA (flash for the trainer's square causal case, masked otherwise)."""
+    from lockstep.ops.batch_invariant import _full_attention
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 40, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 40, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 40, 16, generator=g, requires_grad=True)
+    out = _full_attention(q, k, v) if square else chunked_attention(q, k, v, torch.arange(40).expand(2, 40))
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = torch.autograd.grad(reference_attention(q, k, v, causal=True).square().sum(), (q, k, v))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # fp32, another summation order
