@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[test,s3]'
+	$(PIP) install -q -c constraints.txt -e '.[test,s3,rl]'
 	touch $(STAMP)
 
 setup: $(STAMP)
