@@ -36,6 +36,10 @@ class EngineConfig(Config):
     #: constants: fastest on CPU, ignores later weight updates) or "aot_eager" (traced, bitwise eager);
     #: MoE models must be bf16 (torch._grouped_mm traces only in bf16)
     compile_decode: str = "none"
+    #: batch-invariant kernels for this engine's steps (bitwise-equal to the trainer's
+    #: ``score_logprobs``, docs/numerics.md): True / False, or None to follow the process-wide
+    #: ``lockstep.numerics`` switch
+    batch_invariant: bool | None = None
 
     def validate(self, path: str = "engine") -> None:
         require_positive(self.cache_memory_mb, f"{path}.cache_memory_mb")

@@ -18,6 +18,7 @@ decode forward in ``torch.compile``; the batch is then padded to a power of two 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -163,6 +164,11 @@ class Engine:
 
     def step(self) -> list[StreamEvent]:
         """Admit, prefill the newcomers, decode every running sequence once; events of every sequence."""
+        mode = self.config.batch_invariant
+        with numerics.batch_invariant(mode) if mode is not None else contextlib.nullcontext():
+            return self._step()
+
+    def _step(self) -> list[StreamEvent]:
         numerics.prepare_model(self.model)  # kernels follow the batch-invariant switch as it is now
         was_training = self.model.training
         self.model.eval()

@@ -113,3 +113,18 @@ def test_switch_context_manager_restores():
             assert not numerics.is_batch_invariant()
         assert numerics.is_batch_invariant()
     assert not numerics.is_batch_invariant()
+
+
+def test_engine_config_switch_overrides_the_process_switch():
+    numerics.set_batch_invariant(False)
+    model = _model("debug", torch.float32)
+    seqs = _sequences(model.config.vocab_size)
+    engine = Engine(model, None, EngineConfig(cache_memory_mb=32, max_batch_size=2, batch_invariant=True))
+    requests = [Request(prompt_ids=s[:p], sampling=SamplingParams(max_new_tokens=4, temperature=0.0))
+                for s, p in zip(seqs[:3], PROMPTS)]
+    results = engine.generate(requests)
+    assert not numerics.is_batch_invariant()  # restored after each step
+    finished = [list(r.prompt_ids) + list(o.token_ids) for r, o in zip(requests, results)]
+    with numerics.batch_invariant(), torch.no_grad():
+        scored = score_logprobs(model, finished, PROMPTS[:3])
+    assert all(torch.equal(torch.tensor(o.logprobs), s) for o, s in zip(results, scored))
