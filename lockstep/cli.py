@@ -1,4 +1,5 @@
-"""``lockstep`` command line: ``recipes``, ``train`` (recipe + transforms + overrides + field flags).
+"""``lockstep`` command line: ``recipes``, ``train`` (recipe + transforms + overrides + field flags),
+``convert``, ``plan``, ``generate`` and ``chat`` (see :mod:`lockstep.cli_generate`).
 
 ``lockstep train --recipe NAME [--transform T ...] [--override PATTERN=KIND,...] [--a.b.c VALUE ...]``
 resolves the config in that order (recipe, transforms, field flags, overrides), validates it before
@@ -184,7 +185,20 @@ def cmd_plan(argv: list[str]) -> int:
     return plan(argv)
 
 
-COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "convert": cmd_convert, "plan": cmd_plan}
+def cmd_generate(argv: list[str]) -> int:
+    from lockstep.cli_generate import cmd_generate as generate
+
+    return generate(argv)
+
+
+def cmd_chat(argv: list[str]) -> int:
+    from lockstep.cli_generate import cmd_chat as chat
+
+    return chat(argv)
+
+
+COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "convert": cmd_convert, "plan": cmd_plan,
+            "generate": cmd_generate, "chat": cmd_chat}
 
 
 def main(argv: list[str] | None = None) -> int:
