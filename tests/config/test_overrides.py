@@ -99,7 +99,7 @@ def test_model_validation_names_the_field(field, value, message):
 
 def test_attention_backend_validation_lists_choices():
     cfg = dataclasses.replace(model_config("llama3", "debug"), attention=AttentionConfig(backend="flash9"))
-    with pytest.raises(ConfigError, match=r"model.attention.backend: must be one of \['reference', 'sdpa'\]"):
+    with pytest.raises(ConfigError, match=r"model.attention.backend: must be one of \['batch_invariant', 'reference', 'sdpa'\]"):
         cfg.validate()
 
 
