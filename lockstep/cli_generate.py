@@ -107,8 +107,8 @@ def _load(args: argparse.Namespace, need_template: bool) -> Any:
         source.chat_template = _template_from_file(Path(args.chat_template), source.tokenizer)
     if need_template and source.chat_template is None:
         raise ConfigError(f"--checkpoint {args.checkpoint}: the tokenizer has no chat template (tokenizer_config.json "
-                          "chat_template or chat_template.jinja); pass --chat-template FILE, or use `lockstep generate` "
-                          "without --chat for plain completion")
+                          "chat_template or chat_template.jinja); pass --chat-template FILE, or use "
+                          "`lockstep generate` without --chat for plain completion")
     return source
 
 
