@@ -1,6 +1,8 @@
 """``lockstep`` command line: ``recipes``, ``train`` (recipe + transforms + overrides + field flags),
 ``convert``, ``plan``, ``generate`` and ``chat`` (see :mod:`lockstep.cli_generate`).
 
+``lockstep rl`` (see :mod:`lockstep.cli_rl`).
+
 ``lockstep train --recipe NAME [--transform T ...] [--override PATTERN=KIND,...] [--a.b.c VALUE ...]``
 resolves the config in that order (recipe, transforms, field flags, overrides), validates it before
 any work, and runs the trainer. ``--print-config`` prints the resolved tree and exits.
@@ -51,6 +53,8 @@ def resolve_config(argv: list[str]):
 
     args, rest = _train_parser().parse_known_args(argv)
     config = get_recipe(args.recipe).config()
+    if not isinstance(config, TrainerConfig):
+        raise ConfigError(f"--recipe: {args.recipe!r} is an RL recipe; run it with `lockstep rl --recipe {args.recipe}`")
     for spec in args.transform:
         config = apply_transform(config, spec)
     overrides = config.model.overrides
@@ -72,11 +76,12 @@ def resolve_config(argv: list[str]):
     return config, args
 
 
-def _unknown_flags(args: list[str]) -> list[str]:
-    """Flags that name no TrainerConfig field (tyro's own message is long; ours names them)."""
+def _unknown_flags(args: list[str], root: type | None = None) -> list[str]:
+    """Flags that name no field of ``root`` (default TrainerConfig; tyro's own message is long;
+    ours names them)."""
     from lockstep.train.config import TrainerConfig
 
-    known = set(_field_flags(TrainerConfig, "")) | {"--help", "-h"}
+    known = set(_field_flags(root or TrainerConfig, "")) | {"--help", "-h"}
     flags = [a.split("=", 1)[0] for a in args if a.startswith("-") and not _is_number(a)]
     return [f for f in flags if f.replace("_", "-") not in known]
 
@@ -164,9 +169,14 @@ def cmd_recipes(argv: list[str]) -> int:
     from lockstep.recipes import recipes
     from lockstep.recipes.transforms import transform_names
 
-    print("recipes:")
+    print("recipes (lockstep train --recipe NAME):")
     for r in recipes():
-        print(f"  {r.name:<20} {r.description}")
+        if r.kind == "train":
+            print(f"  {r.name:<20} {r.description}")
+    print("\nRL recipes (lockstep rl --recipe NAME):")
+    for r in recipes():
+        if r.kind == "rl":
+            print(f"  {r.name:<20} {r.description}")
     print("\ntransforms (--transform NAME[=ARG]):")
     for name, doc in transform_names().items():
         print(f"  {name:<20} {doc}")
@@ -197,7 +207,13 @@ def cmd_chat(argv: list[str]) -> int:
     return chat(argv)
 
 
-COMMANDS = {"train": cmd_train, "recipes": cmd_recipes, "convert": cmd_convert, "plan": cmd_plan,
+def cmd_rl(argv: list[str]) -> int:
+    from lockstep.cli_rl import cmd_rl as rl
+
+    return rl(argv)
+
+
+COMMANDS = {"train": cmd_train, "rl": cmd_rl, "recipes": cmd_recipes, "convert": cmd_convert, "plan": cmd_plan,
             "generate": cmd_generate, "chat": cmd_chat}
 
 

@@ -1,4 +1,4 @@
-"""Recipe registry: name -> (function returning a TrainerConfig, one-line description)."""
+"""Recipe registry: name -> (function returning a TrainerConfig or an RLConfig, one-line description)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ class Recipe:
     def config(self) -> TrainerConfig:
         cfg = self.fn()
         return dataclasses.replace(cfg, recipe=self.name)
+
+    @property
+    def kind(self) -> str:
+        """"train" (a TrainerConfig, ``lockstep train``) or "rl" (an RLConfig, ``lockstep rl``)."""
+        return "train" if isinstance(self.fn(), TrainerConfig) else "rl"
 
 
 _RECIPES: dict[str, Recipe] = {}

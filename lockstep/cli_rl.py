@@ -1,0 +1,89 @@
+"""``lockstep rl --recipe NAME [--a.b.c VALUE ...]``: an RL run (trainer + generator processes).
+
+The config resolves like ``lockstep train``'s: recipe, then field flags (``--steps``, ``--run-dir``,
+``--rollout.group-size``, ``--workers.max-offpolicy-steps``, ``--numerics.batch-invariant``, ...),
+validated before any work. With ``workers.generators = N >= 1`` the command re-launches itself as
+``N + 1`` torchrun workers (rank 0 trains, the others generate); ``N = 0`` runs in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from lockstep.config.base import ConfigError, to_dict
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lockstep rl", add_help=False,
+        description="RL post-training from a named RL recipe. Any config field can be set with --a.b.c VALUE "
+        "(see --help-fields).")
+    parser.add_argument("--recipe", default="rl-debug", help="RL recipe name (see `lockstep recipes`)")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--help-fields", action="store_true", help="list every config field flag and exit")
+    parser.add_argument("-h", "--help", action="store_true")
+    return parser
+
+
+def resolve_rl_config(argv: list[str]):
+    """The RLConfig ``lockstep rl argv`` would run, and the parsed meta-flags."""
+    import tyro
+
+    from lockstep.cli import _unknown_flags
+    from lockstep.recipes import get_recipe
+    from lockstep.rl.config import RLConfig
+
+    args, rest = _parser().parse_known_args(argv)
+    config = get_recipe(args.recipe).config()
+    if not isinstance(config, RLConfig):
+        raise ConfigError(f"--recipe: {args.recipe!r} is a training recipe; run it with "
+                          f"`lockstep train --recipe {args.recipe}` (RL recipes: `lockstep recipes`)")
+    field_args = rest + (["--help"] if args.help_fields else [])
+    if field_args:
+        unknown = _unknown_flags(field_args, RLConfig)
+        if unknown:
+            raise ConfigError(f"unknown flag(s) {unknown}; see `lockstep rl --help-fields`")
+        config = tyro.cli(RLConfig, default=config, args=field_args, prog="lockstep rl")
+    config.validate()
+    return config, args
+
+
+def cmd_rl(argv: list[str]) -> int:
+    args, _ = _parser().parse_known_args(argv)
+    if args.help:
+        _parser().print_help()
+        return 0
+    config, args = resolve_rl_config(argv)
+    if args.print_config:
+        print(json.dumps(to_dict(config), indent=2))
+        return 0
+    from lockstep.parallel.launch import finish, relaunch_with_torchrun, world_size_from_env
+
+    if config.workers.generators and world_size_from_env() == 1:
+        return relaunch_with_torchrun(config.workers.world_size, ["rl", *argv])
+    from lockstep.rl.loop import run_rl
+
+    result = run_rl(config)
+    if result is None:  # a generator
+        finish(0)
+        return 0
+    _summary(result)
+    finish(0)
+    return 0
+
+
+def _summary(result) -> None:
+    steps = result.steps
+    print(f"\nrun directory: {result.run_dir}")
+    if steps:
+        first, last = steps[0], steps[-1]
+        print(f"reward: {first['reward/mean']:.3f} (step {first['step']}) -> {last['reward/mean']:.3f} "
+              f"(step {last['step']}); pass rate {first['pass_rate']:.3f} -> {last['pass_rate']:.3f}")
+        print(f"logprob_diff/max over steps: {max(s['logprob_diff/max'] for s in steps):.3g}; "
+              f"policy lag max {max(s['policy_lag/max'] for s in steps)}")
+    for e in result.evals:
+        print(f"eval (step {e['step']}{', ' + e['phase'] if 'phase' in e else ''}): pass rate "
+              f"{e['eval/pass_rate']:.3f}, mean reward {e['eval/reward_mean']:.3f} over {e['eval/tasks']} held-out tasks")
+    sys.stdout.flush()

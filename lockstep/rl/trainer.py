@@ -1,0 +1,201 @@
+"""The RL trainer process: the loop that consumes rollouts, steps the policy and syncs weights.
+
+Per step ``i``: get batch ``i`` (from generator ``(i - 1) % N``, or generated here between steps
+when colocated) -> ``Learner.step`` -> broadcast weights version ``i`` to the generators -> write
+one metrics record (reward, pass rate, lengths, policy lag, generator/trainer tokens/s, weight-sync
+time, time generating / training / waiting, ``logprob_diff/*``) -> checkpoint when due. Held-out
+evaluation (greedy, engine on the trainer's own modules) runs before the first step, every
+``task.eval_every`` steps and after the last; its records carry ``eval/*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from lockstep import numerics
+from lockstep.config.base import ConfigError, to_dict
+from lockstep.generate.engine import Engine
+from lockstep.observe import MetricsWriter, ProgressBar, RunManifest, plot_series, read_metrics
+from lockstep.rl.checkpointing import RLCheckpointing, has_checkpoint
+from lockstep.rl.config import RLConfig
+from lockstep.rl.generator import ROLLOUT_TAG, rollout_batch_payload
+from lockstep.rl.learner import Learner
+from lockstep.rl.policy import Policy
+from lockstep.rl.rollout import Rollout
+from lockstep.rl.sft import evaluate, sft_warmup
+from lockstep.rl.transport import WeightSender, recv_object
+from lockstep.train.trainer import default_run_dir, save_weights, truncate_metrics
+
+
+@dataclasses.dataclass
+class RLResult:
+    run_dir: Path
+    #: one record per RL step (what metrics.jsonl holds for it)
+    steps: list[dict]
+    #: the evaluation records (step 0 = before RL)
+    evals: list[dict]
+
+
+class RLTrainer:
+    """Rank 0 of an RL job (or the only process when colocated)."""
+
+    def __init__(self, config: RLConfig, run_config: RLConfig, policy: Policy, *, sync_group=None,
+                 rollout_group=None) -> None:
+        self.config, self.run_config, self.policy = config, run_config, policy
+        self.sync_group, self.rollout_group = sync_group, rollout_group
+        self.distributed = sync_group is not None
+        self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.recipe)
+        if config.resume:
+            if has_checkpoint(config.checkpoint, self.run_dir) is None:
+                raise ConfigError(f"resume: no complete checkpoint in {config.checkpoint.location(self.run_dir)} "
+                                  "to continue from")
+        elif (self.run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"run_dir: {self.run_dir} already holds a run (metrics.jsonl); choose another, "
+                              "or --resume it")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model = policy.model
+        numerics.prepare_model(self.model)
+        self.learner = Learner(run_config, self.model)
+        self.env = run_config.task.build()
+        self.engine = Engine(self.model, policy.tokenizer, run_config.engine)
+        self.rollout = Rollout(self.engine, run_config.rollout, tokenizer=policy.tokenizer,
+                               chat_template=policy.chat_template)
+        self.checkpointing = None
+        self.start, self.resumed = 0, None
+        if config.checkpoint.every or config.resume:
+            self.checkpointing = RLCheckpointing(config, self.run_dir, self.learner)
+            if config.resume:
+                self.resumed = self.checkpointing.resume()
+                self.start = self.resumed["from_step"]
+        self.last = config.stop_after or config.steps
+        self.sender = WeightSender(self.model, sync_group) if self.distributed else None
+
+    # ------------------------------------------------------------------ set-up records
+
+    def _manifest(self) -> RunManifest:
+        cfg, model = self.config, self.model
+        manifest = RunManifest(self.run_dir, recipe=to_dict(cfg), model={
+            "family": cfg.model.family, "flavor": cfg.model.flavor, "parameters": model.num_params(),
+            "source": self.policy.source})
+        n = cfg.workers.generators
+        manifest.update(
+            numerics=numerics.thread_settings(),
+            kernels={"attention": sorted({layer.attention.backend_name for layer in model.layers.values()})},
+            workers={"trainer_ranks": [0], "generator_ranks": list(range(1, n + 1)),
+                     "mode": "colocated" if n == 0 else "separate processes (torchrun, torch.distributed)",
+                     "backend": dist.get_backend() if dist.is_initialized() else None,
+                     "max_offpolicy_steps": cfg.workers.max_offpolicy_steps,
+                     "weight_sync": "one broadcast of a flat byte buffer per version" if n else "shared modules"},
+            environment={"name": cfg.task.env, "options": cfg.task.options},
+            resumed=self.resumed,
+        )
+        return manifest
+
+    # ------------------------------------------------------------------ the loop
+
+    def _batch(self, step: int) -> tuple[dict, float]:
+        """Step ``step``'s rollouts and the seconds the trainer waited for them."""
+        if not self.distributed:
+            return rollout_batch_payload(self.rollout, self.env, self.run_config, step, step - 1), 0.0
+        started = time.perf_counter()
+        src = 1 + (step - 1) % self.config.workers.generators
+        payload = recv_object(src, group=self.rollout_group, tag=ROLLOUT_TAG)
+        if payload["step"] != step:
+            raise RuntimeError(f"rl: expected the rollouts of step {step} from rank {src}, got step {payload['step']}")
+        return payload, time.perf_counter() - started
+
+    def _evaluate(self, step: int) -> dict:
+        started = time.perf_counter()
+        out = evaluate(self.engine, self.env, self.run_config, self.config.task.eval_seeds(),
+                       tokenizer=self.policy.tokenizer, chat_template=self.policy.chat_template)
+        return {"step": step, **out, "time/eval": time.perf_counter() - started}
+
+    def run(self) -> RLResult:
+        cfg = self.config
+        manifest = self._manifest()
+        log_path = self.run_dir / "metrics.jsonl"
+        if self.resumed:
+            truncate_metrics(log_path, self.start)
+        steps, evals = [], []
+        with MetricsWriter(log_path) as writer:
+            if self.start == 0 and cfg.sft.steps:
+                if cfg.task.eval_every:
+                    evals.append(writer.write({**self._evaluate(0), "phase": "before_sft"}))
+                sft_warmup(self.model, self.env, self.run_config, tokenizer=self.policy.tokenizer,
+                           chat_template=self.policy.chat_template, eos_id=self.policy.eos_id,
+                           log=lambda r: writer.write({"step": 0, "phase": "sft", **r}))
+            if cfg.task.eval_every and self.start == 0:
+                evals.append(writer.write({**self._evaluate(0), "phase": "before_rl"}))
+            if self.distributed:
+                dist.broadcast_object_list([{"start": self.start, "last": self.last}], src=0, group=self.sync_group)
+                if self.last > self.start:
+                    self.sender.send()  # version `start`: the generators' first weights
+            bar = ProgressBar(self.last, desc=cfg.recipe, enabled=cfg.output.progress)
+            step_started = time.perf_counter()
+            for step in range(self.start + 1, self.last + 1):
+                payload, waited = self._batch(step)
+                record = {"step": step, **self.learner.step(step, payload["records"], trainer_version=step - 1)}
+                sync = self.sender.send() if self.sender is not None and step < self.last else {}
+                now = time.perf_counter()
+                record.update({
+                    "policy_version": step, "rollout_version": payload["version"],
+                    "generator/tokens": payload["generated_tokens"],
+                    "generator/tokens_per_s": payload["generator/tokens_per_s"],
+                    "time/generating": payload["generate_s"], "time/waiting": waited,
+                    "time/weight_sync": sync.get("weight_sync/s", 0.0), **sync,
+                    "time/step": now - step_started,
+                    **{k: v for k, v in payload.items() if k.startswith("generator/") and k not in record},
+                })
+                step_started = now
+                steps.append(writer.write(record))
+                self._print_samples(step, payload["records"], bar)
+                bar.update(step, reward=record["reward/mean"], pass_rate=record["pass_rate"])
+                if cfg.task.eval_every and (step % cfg.task.eval_every == 0 or step == cfg.steps):
+                    evals.append(writer.write(self._evaluate(step)))
+                if self.checkpointing is not None:
+                    if self.checkpointing.due(step, self.last):
+                        self.checkpointing.save(step)
+                    for ckpt in self.checkpointing.records(wait=step == self.last):
+                        writer.write({"step": step, **ckpt})
+            bar.close()
+        if self.sender is not None:
+            self.sender.close()
+        if self.checkpointing is not None:
+            self.checkpointing.close()
+        self._finish(manifest, steps, evals)
+        return RLResult(self.run_dir, steps, evals)
+
+    def _print_samples(self, step: int, records: list, bar: ProgressBar) -> None:
+        for r in records[: self.config.output.print_samples]:
+            bar.write(f"[step {step}] {r.task_id} reward={r.reward:.2f}: {r.last_text[:200]!r}")
+
+    def _finish(self, manifest: RunManifest, steps: list[dict], evals: list[dict]) -> None:
+        records = read_metrics(self.run_dir / "metrics.jsonl")
+        plot_series(records, ["reward/mean", "pass_rate", "eval/pass_rate"], self.run_dir / "reward.png",
+                    f"{self.config.recipe}: reward and pass rate", ylabel="reward / pass rate")
+        if self.config.output.save_weights:
+            save_weights(self.model.state_dict(), self.run_dir / "model.safetensors", self.config.model.tie_embeddings)
+            self.policy.tokenizer.save(self.run_dir / "tokenizer.json") if hasattr(self.policy.tokenizer, "save") \
+                else None
+        all_steps = [r for r in records if "reward/mean" in r]
+        diffs = [r["logprob_diff/max"] for r in all_steps]
+        result = {
+            "steps": len(all_steps),
+            "reward_first": all_steps[0]["reward/mean"] if all_steps else None,
+            "reward_last": all_steps[-1]["reward/mean"] if all_steps else None,
+            "eval": [{k: r[k] for k in ("step", "eval/pass_rate", "eval/reward_mean")} for r in records
+                     if "eval/pass_rate" in r],
+            "logprob_diff_max_over_steps": max(diffs) if diffs else None,
+            "policy_lag_max": max((r["policy_lag/max"] for r in all_steps), default=None),
+            "stale_groups_dropped": sum(r["rollouts/stale_groups_dropped"] for r in all_steps),
+        }
+        manifest.update(result=result)
+        if numerics.is_batch_invariant() and self.config.workers.max_offpolicy_steps == 0 and diffs:
+            manifest.add_check("rl_batch_invariance", max(diffs) == 0.0,
+                               logprob_diff_max=max(diffs), steps=len(diffs),
+                               note="generator logprobs vs trainer logprobs of the same weights, every step")
