@@ -1,7 +1,8 @@
 """RL recipes: functions returning a whole ``RLConfig`` (run with ``lockstep rl --recipe NAME``).
 
-- ``rl-debug``: a 0.6M-parameter random llama3 on one-digit arithmetic; a handful of steps in
-  seconds, one trainer + one generator process (for tests and smoke runs).
+- ``rl-debug``: a 0.6M-parameter random llama3 on the dense-reward ``echo`` task (every group has
+  reward variance, so every step changes the weights); a handful of steps in seconds, one trainer
+  + one generator process (for tests and smoke runs).
 - ``rl-arith-tiny``: a 1.6M-parameter llama3 learns the answer format and some arithmetic by SFT,
   then GRPO raises its held-out pass rate.
 - ``rl-smollm2``: SmolLM2-135M-Instruct (real weights) on reasoning-gym arithmetic with GRPO.
@@ -24,19 +25,18 @@ SMALL_ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits
 SHORT_SYSTEM = "Answer."
 
 
-@recipe("rl-debug", "RL smoke run: random llama3 debug (0.6M) on one-digit sums, trainer + 1 generator, seconds")
+@recipe("rl-debug", "RL smoke run: random llama3 debug (0.6M) on the dense-reward echo task, trainer + 1 "
+        "generator, seconds")
 def rl_debug() -> RLConfig:
     return RLConfig(
         steps=3,
         model=model_config("llama3", "debug"),
         data=DataConfig(),
-        task=TaskConfig(env="reasoning_gym:basic_arithmetic", groups_per_step=2,
-                        options={"dataset_kwargs": SMALL_ARITHMETIC, "system_prompt": SHORT_SYSTEM}),
+        task=TaskConfig(env="echo", groups_per_step=2),
         rollout=RolloutConfig(group_size=4, sampling=SamplingParams(max_new_tokens=12, temperature=1.0)),
         engine=EngineConfig(cache_memory_mb=16, max_batch_size=16),
         loss=LossConfig(kind="grpo"),
         optimizer=AdamWConfig(lr=1e-3, weight_decay=0.0),
-        sft=SFTConfig(steps=2, batch_size=8, lr=3e-3),
         workers=WorkersConfig(generators=1, max_offpolicy_steps=0),
         output=RLOutputConfig(progress=False),
     )

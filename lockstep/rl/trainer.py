@@ -172,7 +172,8 @@ class RLTrainer:
 
     def _print_samples(self, step: int, records: list, bar: ProgressBar) -> None:
         for r in records[: self.config.output.print_samples]:
-            bar.write(f"[step {step}] {r.task_id} reward={r.reward:.2f}: {r.last_text[:200]!r}")
+            line = f"[step {step}] {r.task_id} reward={r.reward:.2f}: {r.last_text[:200]!r}"
+            bar.write(line) if bar.enabled else print(line, flush=True)
 
     def _finish(self, manifest: RunManifest, steps: list[dict], evals: list[dict]) -> None:
         records = read_metrics(self.run_dir / "metrics.jsonl")
