@@ -29,6 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lockstep.ops import bi_kernel
 from lockstep.ops.attention import register_attention, register_cached_attention
 
 ROW_TILE = 32
@@ -114,7 +115,7 @@ class _ChunkedAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, q_positions, scale, square_causal):
         ctx.save_for_backward(q, k, v, q_positions)
         ctx.scale, ctx.square_causal = scale, square_causal
-        return _chunked_forward(q, k, v, q_positions, scale)
+        return attention_forward(q, k, v, q_positions, scale)
 
     @staticmethod
     def backward(ctx, grad):
@@ -147,10 +148,20 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
     """
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _ChunkedAttention.apply(q, k, v, q_positions, scale, square_causal)
-    return _chunked_forward(q, k, v, q_positions, scale)
+    return attention_forward(q, k, v, q_positions, scale)
 
 
-def _chunked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                      scale: float | None) -> torch.Tensor:
+    """The invariant forward: the C kernel (:mod:`lockstep.ops.bi_kernel`) where it builds, else
+    :func:`tiled_attention_forward` (one choice per process, so both sides of a comparison agree)."""
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if bi_kernel.available():
+        return bi_kernel.attention_forward(q, k, v, q_positions, scale)
+    return tiled_attention_forward(q, k, v, q_positions, scale)
+
+
+def tiled_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
                      scale: float | None) -> torch.Tensor:
     bsz, heads, t, d = q.shape
     kv_heads, s, dv = k.shape[1], k.shape[2], v.shape[-1]

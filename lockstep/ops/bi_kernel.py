@@ -1,0 +1,108 @@
+"""The batch-invariant attention forward as a small C kernel (``csrc/bi_attention.c``), via ctypes.
+
+Why C: the tiled-``bmm`` formulation (:func:`lockstep.ops.batch_invariant.tiled_attention_forward`)
+makes every row invariant by giving oneDNN fixed-shape entries, which costs a copy of each key chunk
+per query tile, padded decode rows and many small ops. In C the arithmetic order is the source
+order (no ``-ffast-math``, ``-ffp-contract=off``, explicit ``fmaf``): each query row reduces its
+visible keys in position order, whatever else is in the call, so no tiles, padding or copies are
+needed. The file's header states the exact order.
+
+The library is compiled once per source/compiler/CPU (a second or so) into
+``$LOCKSTEP_CACHE`` (default ``~/.cache/lockstep``)``/kernels`` and loaded after torch, so its
+``#pragma omp`` uses torch's own OpenMP runtime and thread count. Without a C compiler
+:func:`available` is false and the tiled-``bmm`` path is used instead (its bits differ from the
+kernel's, but one process always uses one of them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+_SOURCE = Path(__file__).parent / "csrc" / "bi_attention.c"
+_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",
+          "-fopenmp", "-fPIC", "-shared"]
+#: key positions and value columns are padded to these (the kernel's lane blocks)
+KEY_BLOCK = 32
+VALUE_BLOCK = 32
+
+
+def _cpu_id() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return flags
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None or os.environ.get("LOCKSTEP_NO_C_KERNELS"):
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), version, " ".join(_FLAGS), _cpu_id()]).encode())
+    cache = Path(os.environ.get("LOCKSTEP_CACHE", Path.home() / ".cache" / "lockstep")) / "kernels"
+    path = cache / f"bi_attention-{key.hexdigest()[:16]}.so"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, publish atomically
+            built = Path(tmp) / path.name
+            result = subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"],
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                return None
+            os.replace(built, path)
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.bi_attention_forward.argtypes = [ptr] * 5 + [i64] * 9 + [ctypes.c_float, i64]
+    lib.bi_attention_forward.restype = None
+    return lib
+
+
+def available() -> bool:
+    """Whether the C kernel could be built and loaded here (decided once per process)."""
+    return _library() is not None
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                      scale: float) -> torch.Tensor:
+    """``q [B, H, T, D]``, ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]``, ``q_positions [B, T]`` ->
+    ``[B, H, T, Dv]`` in q's dtype; query ``(b, t)`` attends keys ``0..q_positions[b, t]``."""
+    lib = _library()
+    assert lib is not None, "bi_kernel.attention_forward called without the C kernel"
+    bsz, heads, t, d = q.shape
+    kv_heads, s, dv = k.shape[1], k.shape[2], v.shape[-1]
+    rows = heads // kv_heads * t
+    s_pad = -(-s // KEY_BLOCK) * KEY_BLOCK
+    dv_pad = -(-dv // VALUE_BLOCK) * VALUE_BLOCK
+    q, k, v = q.detach(), k.detach(), v.detach()
+    qf = torch.empty(bsz, kv_heads, rows, d, dtype=torch.float32, device=q.device)
+    qf.view(bsz, heads, t, d).copy_(q)  # one pass: cast and lay out
+    kt = torch.empty(bsz, kv_heads, d, s_pad, dtype=torch.float32, device=q.device)
+    kt[..., :s].copy_(k.transpose(2, 3))
+    kt[..., s:].zero_()
+    if v.dtype == torch.float32 and v.is_contiguous() and (s, dv) == (s_pad, dv_pad):
+        vf = v
+    else:
+        vf = torch.empty(bsz, kv_heads, s_pad, dv_pad, dtype=torch.float32, device=q.device)
+        vf[:, :, :s, :dv].copy_(v)
+        vf[:, :, s:].zero_()
+        vf[..., dv:].zero_()
+    pos = q_positions.to(torch.int64).contiguous()
+    out = torch.empty(bsz, kv_heads, rows, dv, dtype=torch.float32, device=q.device)
+    lib.bi_attention_forward(qf.data_ptr(), kt.data_ptr(), vf.data_ptr(), pos.data_ptr(), out.data_ptr(),
+                             bsz, kv_heads, rows, t, d, s, s_pad, dv, dv_pad, scale, 4 if rows >= 4 else 1)
+    return out.view(bsz, heads, t, dv).to(q.dtype)
