@@ -20,9 +20,11 @@ from lockstep.rl.losses import LossConfig
 from lockstep.rl.rollout import RolloutConfig
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
-#: one- and two-digit sums and differences of two terms (reasoning-gym basic_arithmetic)
-SMALL_ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"]}
-SHORT_SYSTEM = "Answer."
+#: sums and differences of two one- or two-digit numbers (reasoning-gym basic_arithmetic)
+SMALL_ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": ["+", "-"],
+                    "allow_parentheses": False, "allow_negation": False}
+#: a short prompt for a small model: the answer is the reply's last number
+ARITH_OPTIONS = {"dataset_kwargs": SMALL_ARITHMETIC, "system_prompt": "Answer.", "answer_format": "last_number"}
 
 
 @recipe("rl-debug", "RL smoke run: random llama3 debug (0.6M) on the dense-reward echo task, trainer + 1 "
@@ -55,13 +57,13 @@ def rl_arith_tiny() -> RLConfig:
         steps=40,
         model=_arith_tiny_model(),
         data=DataConfig(),
-        task=TaskConfig(env="reasoning_gym:basic_arithmetic", groups_per_step=16, eval_tasks=200, eval_every=10,
-                        options={"dataset_kwargs": SMALL_ARITHMETIC, "system_prompt": SHORT_SYSTEM}),
-        rollout=RolloutConfig(group_size=8, sampling=SamplingParams(max_new_tokens=12, temperature=1.0)),
+        task=TaskConfig(env="reasoning_gym:basic_arithmetic", groups_per_step=8, eval_tasks=200, eval_every=10,
+                        options=ARITH_OPTIONS),
+        rollout=RolloutConfig(group_size=8, sampling=SamplingParams(max_new_tokens=6, temperature=1.0)),
         engine=EngineConfig(cache_memory_mb=64, max_batch_size=128),
         loss=LossConfig(kind="dapo", clip_high=0.28, filter_zero_variance_groups=True),
         optimizer=AdamWConfig(lr=1e-4, weight_decay=0.0),
-        sft=SFTConfig(steps=150, batch_size=32, lr=3e-3),
+        sft=SFTConfig(steps=150, batch_size=32, lr=3e-3, response_template=" {answer}"),
         workers=WorkersConfig(generators=1, max_offpolicy_steps=1),
         output=RLOutputConfig(progress=True),
     )
