@@ -8,7 +8,7 @@ reductions (sum, mean, amax, softmax, log_softmax, RMSNorm) and elementwise ops 
 whatever the entry count, the row's position in the tile and the other rows' values. So every
 matmul here runs as a ``bmm`` of fixed-shape tiles:
 
-* :func:`tiled_matmul` / :func:`linear`: rows padded to a multiple of ``row_tile(dtype)`` (32
+* :func:`tiled_matmul` / :func:`linear`: rows padded to a multiple of ``row_tile(dtype)`` (16
   rows in fp32, 128 in bf16, where oneDNN's bmm is slow below that) and multiplied
   tile by tile (backward is the ordinary full-batch matmul: only forward values must be invariant).
 * :func:`chunked_attention`: keys in fixed chunks of ``KV_CHUNK`` positions (chunk ``j`` always
@@ -32,7 +32,9 @@ import torch.nn.functional as F
 from lockstep.ops import bi_kernel
 from lockstep.ops.attention import register_attention, register_cached_attention
 
-ROW_TILE = 32
+#: fp32 rows per tile: one tile holds a 16-sequence decode step (32 would double its work, and
+#: pad a single sequence's row 32-fold); at trainer sizes 16 and 32 cost about the same
+ROW_TILE = 16
 #: bf16/fp16 bmm on CPU is fast only from about 128 rows per entry (oneDNN); fp32 is fine at 32
 HALF_ROW_TILE = 128
 ATTN_ROW_TILE = 16
@@ -89,8 +91,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(device, enabled=False):
-            return _TiledLinear.apply(x, weight, bias)
-    return _TiledLinear.apply(x, weight, bias)
+            return _linear(x, weight, bias)
+    return _linear(x, weight, bias)
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return _TiledLinear.apply(x, weight, bias)
+    out = tiled_matmul(x.reshape(-1, x.shape[-1]), weight.t())  # no autograd node: same forward
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
