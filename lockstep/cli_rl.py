@@ -2,8 +2,9 @@
 
 The config resolves like ``lockstep train``'s: recipe, then field flags (``--steps``, ``--run-dir``,
 ``--rollout.group-size``, ``--workers.max-offpolicy-steps``, ``--numerics.batch-invariant``, ...),
-validated before any work. With ``workers.generators = N >= 1`` the command re-launches itself as
-``N + 1`` torchrun workers (rank 0 trains, the others generate); ``N = 0`` runs in this process.
+validated before any work. With ``workers.generators = N >= 1`` (or a data-parallel trainer,
+``--parallel.dp-shard T``) the command re-launches itself as ``T + N`` torchrun workers (ranks
+0..T-1 train, the others generate); ``T = 1, N = 0`` runs in this process.
 """
 
 from __future__ import annotations
@@ -61,12 +62,12 @@ def cmd_rl(argv: list[str]) -> int:
         return 0
     from lockstep.parallel.launch import finish, relaunch_with_torchrun, world_size_from_env
 
-    if config.workers.generators and world_size_from_env() == 1:
-        return relaunch_with_torchrun(config.workers.world_size, ["rl", *argv])
+    if config.world_size > 1 and world_size_from_env() == 1:
+        return relaunch_with_torchrun(config.world_size, ["rl", *argv])
     from lockstep.rl.loop import run_rl
 
     result = run_rl(config)
-    if result is None:  # a generator
+    if result is None:  # a generator, or a trainer rank other than 0
         finish(0)
         return 0
     _summary(result)

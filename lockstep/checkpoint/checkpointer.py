@@ -54,10 +54,14 @@ class Checkpointer:
     """Saves and loads sharded checkpoints in ``storage``; one per rank, created on every rank."""
 
     def __init__(self, storage: Storage, *, rank: int = 0, world_size: int = 1, keep: int = 3,
-                 mode: str = "process", max_file_bytes: int = 1 << 30, commit_timeout_s: float = 600.0) -> None:
+                 mode: str = "process", max_file_bytes: int = 1 << 30, commit_timeout_s: float = 600.0,
+                 group=None) -> None:
         if mode not in ("process", "sync"):
             raise ValueError(f"checkpoint.mode: must be 'process' or 'sync', got {mode!r}")
         self.storage, self.rank, self.world_size = storage, rank, world_size
+        #: the process group of the ranks that save together (None: the default group); an RL job's
+        #: trainer ranks are a subset of its world
+        self.group = group
         self.keep, self.mode, self.max_file_bytes, self.commit_timeout_s = keep, mode, max_file_bytes, commit_timeout_s
         self._plan: WritePlan | None = None
         self._plan_key: tuple | None = None
@@ -189,7 +193,7 @@ class Checkpointer:
         tables = [mine]
         if self.world_size > 1:  # one collective, on the first save only
             tables = [None] * self.world_size
-            dist.all_gather_object(tables, mine)
+            dist.all_gather_object(tables, mine, group=self.group)
         files_of = {}
         for r in (range(self.world_size) if self.rank == 0 else [self.rank]):
             owned = [(n, SAFETENSORS_CODES[tables[r][n][3]], tables[r][n][3].itemsize, tables[r][n][2])
@@ -241,7 +245,7 @@ class Checkpointer:
             import torch.distributed as dist
 
             gathered: list = [None] * self.world_size
-            dist.all_gather_object(gathered, sorted(slots))
+            dist.all_gather_object(gathered, sorted(slots), group=self.group)
             job_names = set().union(*gathered)
         return load_into(self.storage, slots, step, self.rank, job_names)
 

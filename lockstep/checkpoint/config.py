@@ -39,11 +39,12 @@ class CheckpointConfig(Config):
     def location(self, run_dir: Path) -> str:
         return self.storage or str(run_dir / "checkpoints")
 
-    def build(self, run_dir: Path, *, rank: int = 0, world_size: int = 1):
+    def build(self, run_dir: Path, *, rank: int = 0, world_size: int = 1, group=None):
         """The run's Checkpointer (every rank builds one; rank 0 cleans up interrupted saves)."""
         from lockstep.checkpoint.checkpointer import Checkpointer
         from lockstep.checkpoint.storage import storage_from_uri
 
         storage = storage_from_uri(self.location(run_dir), endpoint_url=self.endpoint_url)
         return Checkpointer(storage, rank=rank, world_size=world_size, keep=self.keep, mode=self.mode,
-                            max_file_bytes=self.max_file_mb << 20, commit_timeout_s=self.commit_timeout_s)
+                            max_file_bytes=self.max_file_mb << 20, commit_timeout_s=self.commit_timeout_s,
+                            group=group)

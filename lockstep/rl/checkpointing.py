@@ -23,18 +23,22 @@ from lockstep.rl.learner import Learner
 from lockstep.train.checkpointing import config_changes, has_checkpoint
 
 #: config sections a resumed RL run may change without changing what is trained
-RESUMABLE_CHANGES = ("steps", "stop_after", "run_dir", "resume", "checkpoint", "output", "recipe", "workers")
+RESUMABLE_CHANGES = ("steps", "stop_after", "run_dir", "resume", "checkpoint", "output", "recipe", "workers",
+                     "parallel")
 
 __all__ = ["RLCheckpointing", "has_checkpoint", "RESUMABLE_CHANGES"]
 
 
 class RLCheckpointing:
-    """The trainer's checkpoint policy for an RL run (one trainer process)."""
+    """The trainer's checkpoint policy for an RL run; every trainer rank has one (its shard)."""
 
-    def __init__(self, config: RLConfig, run_dir: Path, learner: Learner) -> None:
+    def __init__(self, config: RLConfig, run_dir: Path, learner: Learner, *, rank: int = 0, world_size: int = 1,
+                 group=None) -> None:
         self.config, self.learner = config, learner
         self.every = config.checkpoint.every
-        self.checkpointer: Checkpointer = config.checkpoint.build(run_dir, rank=0, world_size=1)
+        self.world_size = world_size
+        self.checkpointer: Checkpointer = config.checkpoint.build(run_dir, rank=rank, world_size=world_size,
+                                                                  group=group)
         ensure_optimizer_state(learner.optimizer)
         self.slots = {**model_slots(learner.model), **optimizer_slots(learner.model, learner.optimizer)}
         if learner.reference is not None:
@@ -65,7 +69,7 @@ class RLCheckpointing:
         rank_state = {"rng": rng_state(), "policy_version": step,
                       "optimizer_groups": optimizer_groups(learner.model, learner.optimizer)}
         meta = {"family": self.config.model.family, "flavor": self.config.model.flavor, "step": step,
-                "world_size": 1, "kind": "rl", "config": json.loads(json.dumps(to_dict(self.config)))}
+                "world_size": self.world_size, "kind": "rl", "config": json.loads(json.dumps(to_dict(self.config)))}
         self.checkpointer.save(step, self.slots, rank_state, meta)
 
     def records(self, wait: bool = False) -> list[dict]:

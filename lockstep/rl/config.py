@@ -16,6 +16,7 @@ from lockstep.data.config import DataConfig
 from lockstep.generate.config import EngineConfig, SamplingParams
 from lockstep.models.common.transformer import TransformerConfig
 from lockstep.numerics import NumericsConfig
+from lockstep.parallel.dims import ParallelConfig
 from lockstep.rl.losses import LossConfig
 from lockstep.rl.rollout import RolloutConfig
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
@@ -109,9 +110,6 @@ class WorkersConfig(Config):
                 "generation (generators=0) is synchronous")
         require(self.generator_threads >= 0, f"{path}.generator_threads", f"must be >= 0, got {self.generator_threads}")
 
-    @property
-    def world_size(self) -> int:
-        return 1 + self.generators
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -213,6 +211,9 @@ class RLConfig(Config):
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     #: generator processes and bounded staleness
     workers: WorkersConfig = dataclasses.field(default_factory=WorkersConfig)
+    #: the trainer's own layout over its processes (ranks 0 .. T-1; the generators come after):
+    #: data parallel only, dp_shard (FSDP2) x dp_replicate (HSDP)
+    parallel: ParallelConfig = dataclasses.field(default_factory=lambda: ParallelConfig(dp_shard=1))
     #: periodic full-state checkpoints (policy, optimizer, RNG, task position, policy version)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     #: numerics switches (batch-invariant kernels in trainer and generators)
@@ -227,8 +228,9 @@ class RLConfig(Config):
         require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         require(not self.resume or bool(self.run_dir), "resume", "needs --run-dir: the run to continue")
         for name in ("model", "data", "task", "rollout", "engine", "loss", "optimizer", "lr_schedule", "training",
-                     "sft", "workers", "checkpoint", "numerics", "output"):
+                     "sft", "workers", "parallel", "checkpoint", "numerics", "output"):
             getattr(self, name).validate(name)
+        self._check_trainer_layout()
         require(self.lr_schedule.warmup_steps <= self.steps, "lr_schedule.warmup_steps",
                 f"must be <= steps={self.steps}, got {self.lr_schedule.warmup_steps}")
         kind = self.loss.kind
@@ -240,6 +242,34 @@ class RLConfig(Config):
                 "with training.ratio_to='generator' the ratio already divides by the generator's "
                 "logprobs (the truncated IS weight would be 1); use ratio_to='current' with tis_cap")
         self._check_seed_ranges()
+
+    @property
+    def trainer_world_size(self) -> int:
+        return self.parallel.dp_replicate * self.parallel.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        """Processes of the job: the trainer's, then one per generator."""
+        return self.trainer_world_size + self.workers.generators
+
+    def _check_trainer_layout(self) -> None:
+        par = self.parallel
+        require(par.dp_shard >= 1, "parallel.dp_shard",
+                f"an RL trainer's dp_shard must be given (>= 1; -1 'the rest' would take the generators' ranks), "
+                f"got {par.dp_shard}")
+        for name in ("tp", "pp", "cp", "ep"):
+            require(getattr(par, name) == 1, f"parallel.{name}",
+                    f"the RL trainer supports data-parallel layouts (dp_shard, dp_replicate) only, got {name}="
+                    f"{getattr(par, name)}")
+        dp = self.trainer_world_size
+        if dp > 1:
+            require(self.workers.generators >= 1, "parallel.dp_shard",
+                    "colocated generation (workers.generators=0) runs on one unsharded trainer process; give "
+                    "generator processes or set dp_shard=dp_replicate=1")
+            batch = self.task.groups_per_step * self.rollout.group_size
+            require(batch % dp == 0, "task.groups_per_step",
+                    f"a step's {batch} episodes (groups_per_step x group_size) must split evenly over the "
+                    f"{dp} data-parallel trainer ranks")
 
     def _check_seed_ranges(self) -> None:
         t = self.task

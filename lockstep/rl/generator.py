@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from lockstep.generate.engine import Engine
 from lockstep.rl.config import RLConfig
+from lockstep.rl.layout import RLLayout
 from lockstep.rl.learner import EpisodeRecord
 from lockstep.rl.policy import Policy
 from lockstep.rl.rollout import Rollout
@@ -39,9 +40,10 @@ def rollout_batch_payload(rollout: Rollout, env, config: RLConfig, step: int, ve
             "generated_tokens": tokens, "generator/tokens_per_s": tokens / seconds if seconds else 0.0}
 
 
-def run_generator(config: RLConfig, policy: Policy, *, rank: int, sync_group, rollout_group) -> None:
-    """The generator loop (ranks 1..N); returns when its last batch is delivered."""
+def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
+    """The generator loop (ranks T..T+N-1); returns when its last batch is delivered."""
     n = config.workers.generators
+    sync_group, rollout_group = layout.sync_group, layout.rollout_group
     start_info: list = [None]
     dist.broadcast_object_list(start_info, src=0, group=sync_group)
     info = start_info[0]
@@ -55,11 +57,11 @@ def run_generator(config: RLConfig, policy: Policy, *, rank: int, sync_group, ro
     rollout = Rollout(engine, config.rollout, tokenizer=policy.tokenizer, chat_template=policy.chat_template)
     env = config.task.build()
     sender = ObjectSender(dst=0, group=rollout_group, tag=ROLLOUT_TAG)
-    for step in steps_of(rank - 1, n, start, last):
+    for step in steps_of(layout.generator_index, n, start, last):
         needed = max(start, step - 1 - config.workers.max_offpolicy_steps)
         waited = receiver.wait_for(needed)
         payload = rollout_batch_payload(rollout, env, config, step, receiver.version)
-        payload.update({"generator/weight_wait_s": waited, "generator/rank": rank,
+        payload.update({"generator/weight_wait_s": waited, "generator/rank": layout.rank,
                         "generator/weight_apply_s": receiver.apply_s})
         _wait_sent(sender, receiver)
         sender.send(payload)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from lockstep.parallel.grad import clip_grad_norm
 from lockstep.rl.agreement import logprob_diff
 from lockstep.rl.config import RLConfig
 from lockstep.rl.rollout import Episode
@@ -80,9 +81,13 @@ def _pad_grad(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
 class Learner:
     """Owns the policy's optimizer, schedule, loss and (when kl_coef > 0) the frozen reference."""
 
-    def __init__(self, config: RLConfig, model: nn.Module) -> None:
+    def __init__(self, config: RLConfig, model: nn.Module, *, dp: int = 1, dp_rank: int = 0,
+                 group=None) -> None:
+        """``model`` may be FSDP-sharded over ``dp`` trainer ranks (``group``): each scores its
+        share of a step's episodes and gradients average over them."""
         self.config = config
         self.model = model
+        self.dp, self.dp_rank, self.group = dp, dp_rank, group
         self.optimizer = config.optimizer.build(model)
         self.lr_at = config.lr_schedule.build(peak_lr=config.optimizer.lr, total_steps=config.steps)
         sampling = config.rollout.sampling
@@ -94,7 +99,7 @@ class Learner:
 
     def _score(self, model: nn.Module, recs: Sequence[EpisodeRecord]) -> list[torch.Tensor]:
         out = score_logprobs(model, [r.token_ids for r in recs], [r.prompt_len for r in recs],
-                             temperature=[r.temperature for r in recs])
+                             temperature=[r.temperature for r in recs], full_forward=self.dp > 1 and model is self.model)
         if hasattr(model, "pop_auxiliary"):
             model.pop_auxiliary()  # MoE balance terms of this forward are not part of the RL loss
         return out
@@ -126,11 +131,13 @@ class Learner:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
-        mb = cfg.training.micro_batch_size or len(records)
+        share = len(records) // self.dp  # the config checks it divides evenly
+        mine = range(self.dp_rank * share, (self.dp_rank + 1) * share)
+        mb = cfg.training.micro_batch_size or share
         loss_total, metric_sums = 0.0, {}
         trainer_logp: list[torch.Tensor] = []
-        for lo in range(0, len(records), mb):
-            idx = list(range(lo, min(lo + mb, len(records))))
+        for lo in range(mine.start, mine.stop, mb):
+            idx = list(range(lo, min(lo + mb, mine.stop)))
             recs = [records[i] for i in idx]
             scored = self._score(self.model, recs)
             trainer_logp += [s.detach() for s in scored]
@@ -144,15 +151,17 @@ class Learner:
             old = gen if cfg.training.ratio_to == "generator" else None
             loss, metrics = self.loss(logp, mask, advantages[idx], old_logp=old, ref_logp=ref,
                                       generator_logp=gen, keep=keep[idx], normaliser=normaliser)
-            loss.backward()
+            (loss * self.dp).backward()  # FSDP averages gradients over the dp ranks; the loss is their sum
             loss_total += float(loss.detach())
             weight = len(idx) / len(records)
             for k, v in metrics.items():
                 metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * (1.0 if k in ("pg_loss", "n_tokens") else weight)
         max_norm = cfg.training.max_grad_norm if cfg.training.max_grad_norm > 0 else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.dp > 1:
+            loss_total, metric_sums, trainer_logp = self._combine(loss_total, metric_sums, trainer_logp)
         seconds = time.perf_counter() - started
 
         gen_tokens = [g[m.bool()] for g, m in zip(gen_logp, resp_mask)]
@@ -177,3 +186,16 @@ class Learner:
         }
         out["loss/reward_mean"] = float(adv_metrics["reward_mean"])
         return out
+
+    def _combine(self, loss: float, metric_sums: dict[str, float], logp: list[torch.Tensor]
+                 ) -> tuple[float, dict[str, float], list[torch.Tensor]]:
+        """Sum the ranks' partial loss and metrics; gather every rank's trainer log-probs (in rank
+        order, which is episode order)."""
+        import torch.distributed as dist
+
+        keys = sorted(metric_sums)
+        sums = torch.tensor([loss, *(metric_sums[k] for k in keys)], dtype=torch.float64)
+        dist.all_reduce(sums, group=self.group)
+        gathered: list = [None] * self.dp
+        dist.all_gather_object(gathered, logp, group=self.group)
+        return float(sums[0]), dict(zip(keys, sums[1:].tolist())), [t for part in gathered for t in part]

@@ -24,15 +24,18 @@ def _as_ids(seq) -> list[int]:
 
 
 def score_logprobs(model: nn.Module, sequences: Sequence[Sequence[int] | torch.Tensor],
-                   prompt_lengths: Sequence[int], *, temperature: float | Sequence[float] = 1.0
-                   ) -> list[torch.Tensor]:
+                   prompt_lengths: Sequence[int], *, temperature: float | Sequence[float] = 1.0,
+                   full_forward: bool = False) -> list[torch.Tensor]:
     """Per sequence, the fp32 log-probabilities ``[len - prompt_len]`` of its tokens after the prompt.
 
     ``sequences[i]`` is prompt + response token ids; ``prompt_lengths[i]`` (>= 1) how many are
     prompt. ``temperature`` (one, or one per sequence) is the T of ``log_softmax(logits / T)``, the
     distribution the engine sampled from (1 for greedy). The batch is right-padded to the longest
     sequence and run through ``model.trunk`` + ``model.output`` once; gradients flow unless the
-    caller disables them.
+    caller disables them. ``full_forward`` calls ``model(tokens)`` (every position through the head)
+    instead of ``trunk`` + ``output`` on the response rows: a model wrapped by FSDP must be called
+    through its root forward. In batch-invariant mode both give the same bits (the head's rows do
+    not depend on how many rows it gets).
     """
     ids = [_as_ids(s) for s in sequences]
     lengths = [int(p) for p in prompt_lengths]
@@ -59,11 +62,14 @@ def score_logprobs(model: nn.Module, sequences: Sequence[Sequence[int] | torch.T
     for i, seq in enumerate(ids):
         tokens[i, : len(seq)] = torch.tensor(seq)
     tokens = tokens.to(device)
-    h = model.trunk(tokens)[2]
-    # only the rows that predict a response token go through the head
     rows = [(i, p - 1, len(s) - 1) for i, (s, p) in enumerate(zip(ids, lengths))]
-    picked = torch.cat([h[i, a:b] for i, a, b in rows])
-    logits = model.output(picked)
+    if full_forward:
+        everything = model(tokens)
+        logits = torch.cat([everything[i, a:b] for i, a, b in rows])
+    else:
+        h = model.trunk(tokens)[2]
+        # only the rows that predict a response token go through the head
+        logits = model.output(torch.cat([h[i, a:b] for i, a, b in rows]))
     targets = torch.cat([tokens[i, a + 1:b + 1] for i, a, b in rows])
     temp = torch.cat([torch.full((b - a,), t) for (_, a, b), t in zip(rows, temps)])
     scored = token_logprobs(logits, targets, temp)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep.parallel.grad import clip_grad_norm
 from lockstep.rl.config import RLConfig
 from lockstep.rl.rollout import Rollout, encode_text, prompt_ids
 
@@ -34,7 +35,8 @@ def sft_example(task: Any, template: str, tokenizer: Any, chat_template: Any, ad
 
 def sft_warmup(model: nn.Module, env: Any, config: RLConfig, *, tokenizer: Any, chat_template: Any = None,
                eos_id: int | None = None, log: Callable[[dict], None] | None = None) -> list[float]:
-    """Run ``config.sft.steps`` AdamW steps on reference answers; returns the losses."""
+    """Run ``config.sft.steps`` AdamW steps on reference answers; returns the losses. Every trainer
+    rank of a sharded model runs the same batches (the warm-up is small)."""
     sft = config.sft
     optimizer = dataclasses.replace(config.optimizer, lr=sft.lr).build(model)
     warmup = max(1, sft.steps // 10)
@@ -56,7 +58,7 @@ def sft_warmup(model: nn.Module, env: Any, config: RLConfig, *, tokenizer: Any, 
             model.pop_auxiliary()
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.training.max_grad_norm or float("inf"))
+        clip_grad_norm(model.parameters(), config.training.max_grad_norm or float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))

@@ -10,6 +10,7 @@ evaluation (greedy, engine on the trainer's own modules) runs before the first s
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from lockstep.observe import MetricsWriter, ProgressBar, RunManifest, plot_serie
 from lockstep.rl.checkpointing import RLCheckpointing, has_checkpoint
 from lockstep.rl.config import RLConfig
 from lockstep.rl.generator import ROLLOUT_TAG, rollout_batch_payload
+from lockstep.rl.layout import RLLayout, full_state, shard_trainer
 from lockstep.rl.learner import Learner
 from lockstep.rl.policy import Policy
 from lockstep.rl.rollout import Rollout
@@ -42,43 +44,75 @@ class RLResult:
 
 
 class RLTrainer:
-    """Rank 0 of an RL job (or the only process when colocated)."""
+    """The trainer ranks of an RL job (rank 0 also receives rollouts, syncs weights, evaluates and
+    writes the run directory), or the only process when colocated."""
 
-    def __init__(self, config: RLConfig, run_config: RLConfig, policy: Policy, *, sync_group=None,
-                 rollout_group=None) -> None:
-        self.config, self.run_config, self.policy = config, run_config, policy
-        self.sync_group, self.rollout_group = sync_group, rollout_group
-        self.distributed = sync_group is not None
-        self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.recipe)
-        if config.resume:
-            if has_checkpoint(config.checkpoint, self.run_dir) is None:
-                raise ConfigError(f"resume: no complete checkpoint in {config.checkpoint.location(self.run_dir)} "
-                                  "to continue from")
-        elif (self.run_dir / "metrics.jsonl").exists():
-            raise ConfigError(f"run_dir: {self.run_dir} already holds a run (metrics.jsonl); choose another, "
-                              "or --resume it")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.model = policy.model
-        numerics.prepare_model(self.model)
-        self.learner = Learner(run_config, self.model)
+    def __init__(self, config: RLConfig, run_config: RLConfig, policy: Policy, layout: RLLayout) -> None:
+        self.config, self.run_config, self.policy, self.layout = config, run_config, policy, layout
+        self.main = layout.rank == 0
+        self.distributed = layout.world_size > 1
+        self.run_dir = self._agree_on_run_dir()
+        numerics.prepare_model(policy.model)  # before FSDP: it changes module classes
+        # rank 0's unsharded copy: what generators receive and what evaluation generates with
+        self.shadow = copy.deepcopy(policy.model) if layout.dp > 1 and self.main else policy.model
+        self.model = shard_trainer(policy.model, layout, config)
+        self.learner = Learner(run_config, self.model, dp=layout.dp, dp_rank=layout.dp_rank,
+                               group=layout.trainer_group)
         self.env = run_config.task.build()
-        self.engine = Engine(self.model, policy.tokenizer, run_config.engine)
-        self.rollout = Rollout(self.engine, run_config.rollout, tokenizer=policy.tokenizer,
-                               chat_template=policy.chat_template)
+        self.engine = self.rollout = None
+        if self.main:
+            self.engine = Engine(self.shadow, policy.tokenizer, run_config.engine)
+            self.rollout = Rollout(self.engine, run_config.rollout, tokenizer=policy.tokenizer,
+                                   chat_template=policy.chat_template)
         self.checkpointing = None
         self.start, self.resumed = 0, None
         if config.checkpoint.every or config.resume:
-            self.checkpointing = RLCheckpointing(config, self.run_dir, self.learner)
+            self.checkpointing = RLCheckpointing(config, self.run_dir, self.learner, rank=layout.rank,
+                                                 world_size=layout.dp, group=layout.trainer_group)
             if config.resume:
                 self.resumed = self.checkpointing.resume()
                 self.start = self.resumed["from_step"]
         self.last = config.stop_after or config.steps
-        self.sender = WeightSender(self.model, sync_group) if self.distributed else None
+        self.sender = WeightSender(self.shadow, layout.sync_group) if self.main and layout.n_generators else None
+
+    def _agree_on_run_dir(self) -> Path:
+        """Rank 0 checks the run directory; every trainer rank then uses the same one."""
+        cfg = self.config
+        found: list = [None]
+        if self.main:
+            try:
+                found[0] = str(self._check_run_dir(Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg.recipe)))
+            except ConfigError as err:
+                found[0] = err
+        if self.layout.dp > 1:
+            dist.broadcast_object_list(found, src=0, group=self.layout.trainer_group)
+        if isinstance(found[0], ConfigError):
+            raise found[0]
+        return Path(found[0])
+
+    def _check_run_dir(self, run_dir: Path) -> Path:
+        cfg = self.config
+        if cfg.resume:
+            if has_checkpoint(cfg.checkpoint, run_dir) is None:
+                raise ConfigError(f"resume: no complete checkpoint in {cfg.checkpoint.location(run_dir)} "
+                                  "to continue from")
+        elif (run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"run_dir: {run_dir} already holds a run (metrics.jsonl); choose another, "
+                              "or --resume it")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return run_dir
+
+    def _refresh_shadow(self) -> None:
+        """Bring rank 0's unsharded copy up to the sharded weights (collective over trainer ranks)."""
+        if self.layout.dp > 1:
+            state = full_state(self.model, self.layout)
+            if self.main:
+                self.shadow.load_state_dict(state)
 
     # ------------------------------------------------------------------ set-up records
 
     def _manifest(self) -> RunManifest:
-        cfg, model = self.config, self.model
+        cfg, model = self.config, self.shadow
         manifest = RunManifest(self.run_dir, recipe=to_dict(cfg), model={
             "family": cfg.model.family, "flavor": cfg.model.flavor, "parameters": model.num_params(),
             "source": self.policy.source})
@@ -86,7 +120,10 @@ class RLTrainer:
         manifest.update(
             numerics=numerics.thread_settings(),
             kernels={"attention": sorted({layer.attention.backend_name for layer in model.layers.values()})},
-            workers={"trainer_ranks": [0], "generator_ranks": list(range(1, n + 1)),
+            workers={"trainer_ranks": list(range(self.layout.dp)),
+                     "trainer_layout": {"dp_replicate": cfg.parallel.dp_replicate, "dp_shard": cfg.parallel.dp_shard,
+                                        "fsdp": self.layout.dp > 1},
+                     "generator_ranks": [self.layout.generator_rank(g) for g in range(n)],
                      "mode": "colocated" if n == 0 else "separate processes (torchrun, torch.distributed)",
                      "backend": dist.get_backend() if dist.is_initialized() else None,
                      "max_offpolicy_steps": cfg.workers.max_offpolicy_steps,
@@ -99,15 +136,23 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
 
     def _batch(self, step: int) -> tuple[dict, float]:
-        """Step ``step``'s rollouts and the seconds the trainer waited for them."""
-        if not self.distributed:
-            return rollout_batch_payload(self.rollout, self.env, self.run_config, step, step - 1), 0.0
+        """Step ``step``'s rollouts (on every trainer rank) and the seconds waited for them."""
         started = time.perf_counter()
-        src = 1 + (step - 1) % self.config.workers.generators
-        payload = recv_object(src, group=self.rollout_group, tag=ROLLOUT_TAG)
-        if payload["step"] != step:
-            raise RuntimeError(f"rl: expected the rollouts of step {step} from rank {src}, got step {payload['step']}")
-        return payload, time.perf_counter() - started
+        payload = None
+        if self.main and not self.layout.n_generators:
+            payload = rollout_batch_payload(self.rollout, self.env, self.run_config, step, step - 1)
+        elif self.main:
+            src = self.layout.generator_rank((step - 1) % self.layout.n_generators)
+            payload = recv_object(src, group=self.layout.rollout_group, tag=ROLLOUT_TAG)
+            if payload["step"] != step:
+                raise RuntimeError(f"rl: expected the rollouts of step {step} from rank {src}, got step "
+                                   f"{payload['step']}")
+        waited = time.perf_counter() - started if self.layout.n_generators else 0.0
+        if self.layout.dp > 1:
+            box = [payload]
+            dist.broadcast_object_list(box, src=0, group=self.layout.trainer_group)
+            payload = box[0]
+        return payload, waited
 
     def _evaluate(self, step: int) -> dict:
         started = time.perf_counter()
@@ -115,31 +160,37 @@ class RLTrainer:
                        tokenizer=self.policy.tokenizer, chat_template=self.policy.chat_template)
         return {"step": step, **out, "time/eval": time.perf_counter() - started}
 
-    def run(self) -> RLResult:
+    def run(self) -> RLResult | None:
+        """The loop on every trainer rank; rank 0 returns the result, the others None."""
         cfg = self.config
-        manifest = self._manifest()
-        log_path = self.run_dir / "metrics.jsonl"
+        manifest = self._manifest() if self.main else None
+        log_path = self.run_dir / ("metrics.jsonl" if self.main else f"logs/rank{self.layout.rank}.jsonl")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.resumed:
             truncate_metrics(log_path, self.start)
         steps, evals = [], []
+        evaluating = bool(cfg.task.eval_every) and self.main
         with MetricsWriter(log_path) as writer:
             if self.start == 0 and cfg.sft.steps:
-                if cfg.task.eval_every:
+                if evaluating:
                     evals.append(writer.write({**self._evaluate(0), "phase": "before_sft"}))
                 sft_warmup(self.model, self.env, self.run_config, tokenizer=self.policy.tokenizer,
                            chat_template=self.policy.chat_template, eos_id=self.policy.eos_id,
                            log=lambda r: writer.write({"step": 0, "phase": "sft", **r}))
-            if cfg.task.eval_every and self.start == 0:
+            self._refresh_shadow()
+            if evaluating and self.start == 0:
                 evals.append(writer.write({**self._evaluate(0), "phase": "before_rl"}))
-            if self.distributed:
-                dist.broadcast_object_list([{"start": self.start, "last": self.last}], src=0, group=self.sync_group)
+            if self.main and self.layout.n_generators:
+                dist.broadcast_object_list([{"start": self.start, "last": self.last}], src=0,
+                                           group=self.layout.sync_group)
                 if self.last > self.start:
                     self.sender.send()  # version `start`: the generators' first weights
-            bar = ProgressBar(self.last, desc=cfg.recipe, enabled=cfg.output.progress)
+            bar = ProgressBar(self.last, desc=cfg.recipe, enabled=cfg.output.progress and self.main)
             step_started = time.perf_counter()
             for step in range(self.start + 1, self.last + 1):
                 payload, waited = self._batch(step)
                 record = {"step": step, **self.learner.step(step, payload["records"], trainer_version=step - 1)}
+                self._refresh_shadow()
                 sync = self.sender.send() if self.sender is not None and step < self.last else {}
                 now = time.perf_counter()
                 record.update({
@@ -153,9 +204,10 @@ class RLTrainer:
                 })
                 step_started = now
                 steps.append(writer.write(record))
-                self._print_samples(step, payload["records"], bar)
+                if self.main:
+                    self._print_samples(step, payload["records"], bar)
                 bar.update(step, reward=record["reward/mean"], pass_rate=record["pass_rate"])
-                if cfg.task.eval_every and (step % cfg.task.eval_every == 0 or step == cfg.steps):
+                if evaluating and (step % cfg.task.eval_every == 0 or step == cfg.steps):
                     evals.append(writer.write(self._evaluate(step)))
                 if self.checkpointing is not None:
                     if self.checkpointing.due(step, self.last):
@@ -167,6 +219,8 @@ class RLTrainer:
             self.sender.close()
         if self.checkpointing is not None:
             self.checkpointing.close()
+        if not self.main:
+            return None
         self._finish(manifest, steps, evals)
         return RLResult(self.run_dir, steps, evals)
 
@@ -180,7 +234,7 @@ class RLTrainer:
         plot_series(records, ["reward/mean", "pass_rate", "eval/pass_rate"], self.run_dir / "reward.png",
                     f"{self.config.recipe}: reward and pass rate", ylabel="reward / pass rate")
         if self.config.output.save_weights:
-            save_weights(self.model.state_dict(), self.run_dir / "model.safetensors", self.config.model.tie_embeddings)
+            save_weights(self.shadow.state_dict(), self.run_dir / "model.safetensors", self.config.model.tie_embeddings)
             self.policy.tokenizer.save(self.run_dir / "tokenizer.json") if hasattr(self.policy.tokenizer, "save") \
                 else None
         all_steps = [r for r in records if "reward/mean" in r]
