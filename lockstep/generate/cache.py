@@ -117,7 +117,6 @@ class LayerCache:
         b, n_blocks = meta.block_tables.shape
         return pool.index_select(0, meta.block_tables.reshape(-1)).view(b, n_blocks * pool.shape[1], *pool.shape[2:])
 
-    @torch.compiler.disable  # shapes change every step (context length): keep this out of compiled graphs
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
                scale: float | None = None) -> torch.Tensor:
         """q [B, H, T, D], new k/v [B, Hkv, T, D] -> attention over each whole context [B, H, T, D]."""
@@ -127,7 +126,6 @@ class LayerCache:
         fn = get_cached_attention(backend)
         return fn(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), q_positions=self.owner.meta.q_positions, scale=scale)
 
-    @torch.compiler.disable
     def attend_latent(self, q: torch.Tensor, latent: torch.Tensor, *, value_dim: int, backend: str,
                       scale: float | None = None) -> torch.Tensor:
         """q [B, H, T, W], new latent [B, T, W] -> [B, H, T, value_dim] (one shared key/value head:

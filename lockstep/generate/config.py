@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 #: ``EngineConfig.compile_decode`` choices. "inductor-frozen" treats the weights as constants
 #: (Inductor freezing: prepacked for the CPU GEMM); the compiled step then ignores later weight updates.
 COMPILE_MODES = ["none", "inductor", "inductor-frozen", "aot_eager"]
+#: ``EngineConfig.weights_dtype`` choices: "model" runs the model's own weights
+WEIGHTS_DTYPES = ["model", "bfloat16", "float32"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -40,6 +42,10 @@ class EngineConfig(Config):
     #: ``score_logprobs``, docs/numerics.md): True / False, or None to follow the process-wide
     #: ``lockstep.numerics`` switch
     batch_invariant: bool | None = None
+    #: dtype the engine runs the weights in: "model" (the model's own) or "bfloat16" / "float32": a
+    #: cast copy of the weights (synced from the model's in-place updates before every step); the KV
+    #: cache and logits follow it. bf16 on an fp32 model halves the weight bytes per decode step
+    weights_dtype: str = "model"
 
     def validate(self, path: str = "engine") -> None:
         require_positive(self.cache_memory_mb, f"{path}.cache_memory_mb")
@@ -49,6 +55,7 @@ class EngineConfig(Config):
         require_positive(self.max_batch_size, f"{path}.max_batch_size")
         require_positive(self.max_prefill_tokens, f"{path}.max_prefill_tokens")
         require_choice(self.compile_decode, COMPILE_MODES, f"{path}.compile_decode")
+        require_choice(self.weights_dtype, WEIGHTS_DTYPES, f"{path}.weights_dtype")
 
     def build(self, *, model: Any, tokenizer: Any = None) -> "Engine":
         from lockstep.generate.engine import Engine

@@ -11,9 +11,10 @@ there is no second model class. Each :meth:`Engine.step`:
 4. releases finished sequences (their blocks return to the pool).
 
 Only the last position of each sequence goes through the output head. ``compile_decode`` wraps the
-decode forward in ``torch.compile``; the batch is then padded to a power of two (at most
-``max_batch_size``) so each bucket compiles once, and the cache's attention stays outside the graph
-(its context length changes every step).
+decode forward in ``torch.compile`` as one graph, the cache's writes and attention included; the
+batch is then padded to a power of two (at most ``max_batch_size``) and each context to a power of
+two blocks (null-block padding, masked), so each (batch, context) bucket compiles once.
+``EngineConfig.weights_dtype`` runs a cast copy of the weights (:mod:`lockstep.generate.weights`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
 from lockstep.generate.sampling import request_generator, sample_next
 from lockstep.generate.scheduler import Scheduler, Sequence
+from lockstep.generate.weights import ShadowWeights, parse_dtype
 
 
 def tokenizer_eos_id(tokenizer: Any) -> int | None:
@@ -67,11 +69,20 @@ class Engine:
             raise TypeError(f"Engine needs a lockstep Transformer (with trunk() and layers), "
                             f"got {type(model).__name__}")
         self.model, self.tokenizer = model, tokenizer
-        weight = model.tok_embeddings.weight
+        weights_dtype = parse_dtype(config.weights_dtype)
+        #: a cast copy of the model's weights, synced before each step (EngineConfig.weights_dtype)
+        self._shadow = (ShadowWeights(model, weights_dtype)
+                        if weights_dtype not in (None, model.tok_embeddings.weight.dtype) else None)
+        #: the module tree the forwards run: the model itself, or its shadow
+        self.runner = runner = self._shadow.model if self._shadow is not None else model
+        weight = runner.tok_embeddings.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.vocab_size, self.max_seq_len = model.config.vocab_size, model.config.max_seq_len
         self.eos_id = tokenizer_eos_id(tokenizer) if tokenizer is not None else None
-        layouts = layer_layouts(model)
+        self._modules = list(runner.modules())
+        self._attention = [m for m in self._modules if hasattr(m, "backend_name") and hasattr(m, "backend")]
+        self._prepared: tuple | None = None  # (batch-invariant switch, attention backends) prepared for
+        layouts = layer_layouts(runner)
         per_block = PagedKVCache.bytes_per_block(layouts, config.block_size, self.dtype)
         num_blocks = config.num_blocks or int(config.cache_memory_mb * 2**20 // per_block)
         if num_blocks < 1:
@@ -84,10 +95,13 @@ class Engine:
         self.on_logits: Callable[[list[int], torch.Tensor], None] | None = None
         self._next_id = 0
         self._decode_forward = self._forward_last
-        if config.compile_decode != "none":
-            _check_compilable(model)
+        self._compiled = config.compile_decode != "none"
+        if self._compiled:
+            _check_compilable(runner)
             backend = "aot_eager" if config.compile_decode == "aot_eager" else "inductor"
             options = {"freezing": True} if config.compile_decode == "inductor-frozen" else None
+            # one graph per (batch, context) bucket: up to log2(max_batch) x log2(max blocks), above dynamo's 8
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._decode_forward = torch.compile(self._forward_last, backend=backend, dynamic=False,
                                                  options=options)
 
@@ -168,10 +182,28 @@ class Engine:
         with numerics.batch_invariant(mode) if mode is not None else contextlib.nullcontext():
             return self._step()
 
+    def sync_weights(self) -> None:
+        """Re-read every weight of the model into the engine's cast copy (``weights_dtype``). Steps
+        already pick up in-place writes; this is only needed after parameters were *replaced*."""
+        if self._shadow is not None:
+            self._shadow.resync()
+
+    def _prepare(self) -> None:
+        """Before a step: sync cast weights, and make the kernels follow the batch-invariant switch as
+        it is now (``numerics.prepare_model``, a walk over every module: only when the switch or an
+        attention backend changed since the last step, e.g. another caller prepared the model)."""
+        if self._shadow is not None:
+            self._shadow.sync()
+        key = (numerics.is_batch_invariant(), [m.backend_name for m in self._attention])
+        if key != self._prepared:
+            numerics.prepare_model(self.runner)
+            self._prepared = (key[0], [m.backend_name for m in self._attention])
+
     def _step(self) -> list[StreamEvent]:
-        numerics.prepare_model(self.model)  # kernels follow the batch-invariant switch as it is now
-        was_training = self.model.training
-        self.model.eval()
+        self._prepare()
+        training = [m for m in self._modules if m.training]  # the modes found, restored after the step
+        for m in training:
+            m.training = False
         try:
             with torch.inference_mode():
                 events: list[StreamEvent] = []
@@ -183,7 +215,8 @@ class Engine:
                     events += self._decode(active)
                 self.scheduler.release_finished()
         finally:
-            self.model.train(was_training)
+            for m in training:
+                m.training = True
         return events
 
     def stream(self, requests: Iterable[Request]) -> Iterator[StreamEvent]:
@@ -223,8 +256,8 @@ class Engine:
 
     def _forward_last(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [B, V] of the last column of ``tokens`` (decode: the only one)."""
-        h = self.model.trunk(tokens, positions, cache=self.cache)[2]
-        return self.model.output(h[:, -1])
+        h = self.runner.trunk(tokens, positions, cache=self.cache)[2]
+        return self.runner.output(h[:, -1])
 
     def _prefill(self, seqs: list[Sequence]) -> list[StreamEvent]:
         lengths = torch.tensor([len(s.prompt_ids) for s in seqs])
@@ -236,18 +269,20 @@ class Engine:
         positions = torch.arange(t).expand(b, t) * valid
         tables = self._block_tables(seqs, -(-t // self.config.block_size))
         self._set_step(tables, positions, valid)
-        h = self.model.trunk(tokens.to(self.device), positions.to(self.device), cache=self.cache)[2]
+        h = self.runner.trunk(tokens.to(self.device), positions.to(self.device), cache=self.cache)[2]
         last = h[torch.arange(b, device=self.device), (lengths - 1).to(self.device)]
-        return self._sample(seqs, self.model.output(last))
+        return self._sample(seqs, self.runner.output(last))
 
     def _decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
         b = len(seqs)
-        rows = b if self._decode_forward is self._forward_last else self._bucket(b)
+        rows = self._bucket(b) if self._compiled else b
         tokens = torch.zeros(rows, 1, dtype=torch.long)
         positions = torch.zeros(rows, 1, dtype=torch.long)
         tokens[:b, 0] = torch.tensor([s.last_token for s in seqs])
         positions[:b, 0] = torch.tensor([s.length - 1 for s in seqs])
         n_blocks = -(-max(s.length for s in seqs) // self.config.block_size)
+        if self._compiled:  # one graph per (batch, context) bucket: context padded to a power of two blocks
+            n_blocks = 1 << max(0, math.ceil(math.log2(n_blocks)))
         tables = self._block_tables(seqs, n_blocks, rows)
         valid = torch.arange(rows)[:, None] < b
         self._set_step(tables, positions, valid)
