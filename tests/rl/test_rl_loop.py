@@ -211,3 +211,33 @@ def test_processes_fsdp_trainer_matches_one_trainer_process(tmp_path):
     manifest = json.loads((tmp_path / "fsdp" / "run" / "manifest.json").read_text())
     assert manifest["workers"]["trainer_ranks"] == [0, 1] and manifest["workers"]["generator_ranks"] == [2]
     assert (tmp_path / "fsdp" / "run" / "checkpoints" / "step-00000002").is_dir()
+
+
+def test_learner_raises_the_rewarded_response_and_lowers_the_other(tmp_path):
+    """A group of two fixed responses, reward 1 for one and 0 for the other: each step must make the
+    rewarded one more likely and the other less (the loss's sign and masking, end to end)."""
+    from lockstep.rl.learner import EpisodeRecord, Learner
+    from lockstep.rl.policy import load_policy
+    from lockstep.rl.scoring import score_logprobs
+
+    config = debug_config(tmp_path, "--workers.generators", "0", "--optimizer.lr", "1e-3")
+    model = load_policy(config).model
+    learner = Learner(config, model)
+    prompt, good, bad = [5, 6, 7], [11, 12, 13], [21, 22, 23]
+
+    def logp(response):
+        with torch.no_grad():
+            return score_logprobs(model, [prompt + response], [len(prompt)])[0]
+
+    history = []
+    for step in range(1, 4):
+        history.append((float(logp(good).sum()), float(logp(bad).sum())))
+        records = [EpisodeRecord(group=0, sample=s, task_seed=0, task_id="t", prompt_len=3,
+                                 token_ids=prompt + (good if s % 2 == 0 else bad), loss_mask=[0, 0, 0, 1, 1, 1],
+                                 logprobs=[0.0] * 3 + logp(good if s % 2 == 0 else bad).tolist(),
+                                 reward=float(s % 2 == 0), policy_version=step - 1, temperature=1.0, num_turns=1,
+                                 truncated=None) for s in range(4)]
+        out = learner.step(step, records, trainer_version=step - 1)
+        assert out["logprob_diff/max"] < 1e-5 and out["grad_norm"] > 0
+    history.append((float(logp(good).sum()), float(logp(bad).sum())))
+    assert all(b[0] > a[0] and b[1] < a[1] for a, b in zip(history, history[1:])), history
