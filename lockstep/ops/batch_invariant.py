@@ -63,12 +63,20 @@ def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int | None = None) -> t
     return out.reshape(n_tiles * tile, b.shape[1])[:m]
 
 
+def _weight_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ weight [N, K].T``, batch-invariant: fp32 through the C kernel (one fma chain
+    per element, no row padding) where it builds, otherwise (and in bf16/fp16) fixed row tiles."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and bi_kernel.available():
+        return bi_kernel.matmul(x, weight)
+    return tiled_matmul(x, weight.t())
+
+
 class _TiledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        out = tiled_matmul(x.reshape(-1, x.shape[-1]), weight.t())
+        out = _weight_matmul(x.reshape(-1, x.shape[-1]), weight)
         if bias is not None:
             out = out + bias
         return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -98,7 +106,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _TiledLinear.apply(x, weight, bias)
-    out = tiled_matmul(x.reshape(-1, x.shape[-1]), weight.t())  # no autograd node: same forward
+    out = _weight_matmul(x.reshape(-1, x.shape[-1]), weight)  # no autograd node: same forward
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])

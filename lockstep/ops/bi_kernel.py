@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_SOURCE = Path(__file__).parent / "csrc" / "bi_attention.c"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bi_attention.c", "bi_matmul.c")]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",
           "-fopenmp", "-fPIC", "-shared"]
 #: key positions and value columns are padded to these (the kernel's lane blocks)
@@ -53,14 +53,14 @@ def _library() -> ctypes.CDLL | None:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), version, " ".join(_FLAGS), _cpu_id()]).encode())
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES), version, " ".join(_FLAGS), _cpu_id()]).encode())
     cache = Path(os.environ.get("LOCKSTEP_CACHE", Path.home() / ".cache" / "lockstep")) / "kernels"
-    path = cache / f"bi_attention-{key.hexdigest()[:16]}.so"
+    path = cache / f"bi_kernels-{key.hexdigest()[:16]}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, publish atomically
             built = Path(tmp) / path.name
-            result = subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"],
+            result = subprocess.run([compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), "-lm"],
                                     capture_output=True, text=True)
             if result.returncode != 0:
                 return None
@@ -69,6 +69,8 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.bi_attention_forward.argtypes = [ptr] * 5 + [i64] * 9 + [ctypes.c_float, i64]
     lib.bi_attention_forward.restype = None
+    lib.bi_matmul.argtypes = [ptr] * 3 + [i64] * 4
+    lib.bi_matmul.restype = None
     return lib
 
 
@@ -106,3 +108,37 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
     lib.bi_attention_forward(qf.data_ptr(), kt.data_ptr(), vf.data_ptr(), pos.data_ptr(), out.data_ptr(),
                              bsz, kv_heads, rows, t, d, s, s_pad, dv, dv_pad, scale, 4 if rows >= 4 else 1)
     return out.view(bsz, heads, t, dv).to(q.dtype)
+
+
+#: output columns per block of ``csrc/bi_matmul.c`` (the transposed weight is padded to it)
+COLUMN_BLOCK = 64
+
+
+def _transposed(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [N, K]`` as ``[K, N]`` fp32, columns zero-padded to COLUMN_BLOCK; cached on the
+    tensor until it changes (its version counter moves with every in-place update, e.g. an
+    optimizer step or a weight sync), so decoding transposes each weight once."""
+    stamp = None if weight.is_inference() else (weight._version, weight.data_ptr())  # no version counter
+    cached = getattr(weight, "_bi_transposed", None)
+    if stamp is not None and cached is not None and cached[0] == stamp:
+        return cached[1]
+    n, k = weight.shape
+    wt = torch.zeros(k, -(-n // COLUMN_BLOCK) * COLUMN_BLOCK, dtype=torch.float32, device=weight.device)
+    wt[:, :n].copy_(weight.detach().t())
+    if stamp is not None:
+        weight._bi_transposed = (stamp, wt)
+    return wt
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x [M, K] @ weight [N, K].T -> [M, N]``, every element one fma chain over k in order,
+    whatever ``M`` (``csrc/bi_matmul.c``); forward only."""
+    lib = _library()
+    assert lib is not None, "bi_kernel.matmul called without the C kernel"
+    wt = _transposed(weight)
+    x = x.detach().contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    lib.bi_matmul(x.data_ptr(), wt.data_ptr(), out.data_ptr(), m, n, k, wt.shape[1])
+    return out
