@@ -36,6 +36,11 @@ def _train_parser() -> argparse.ArgumentParser:
                         help="run as N local torchrun workers (gloo on CPU, NCCL on GPU)")
     parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                         help="save a full-state checkpoint every N steps and at the end (= --checkpoint.every)")
+    return add_meta_flags(parser)
+
+
+def add_meta_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--print-config, --help-fields and -h/--help, shared by the config-driven commands."""
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--help-fields", action="store_true", help="list every config field flag and exit")
     parser.add_argument("-h", "--help", action="store_true")
@@ -44,8 +49,6 @@ def _train_parser() -> argparse.ArgumentParser:
 
 def resolve_config(argv: list[str]):
     """The TrainerConfig that ``lockstep train argv`` would run, and the parsed meta-flags."""
-    import tyro
-
     from lockstep.config.components import parse_override
     from lockstep.recipes import get_recipe
     from lockstep.recipes.transforms import apply_transform
@@ -59,12 +62,7 @@ def resolve_config(argv: list[str]):
         config = apply_transform(config, spec)
     overrides = config.model.overrides
     config = dataclasses.replace(config, model=dataclasses.replace(config.model, overrides=[]))
-    field_args = rest + (["--help"] if args.help_fields else [])
-    if field_args:
-        unknown = _unknown_flags(field_args)
-        if unknown:
-            raise ConfigError(f"unknown flag(s) {unknown}; see `lockstep train --help-fields`")
-        config = tyro.cli(TrainerConfig, default=config, args=field_args, prog="lockstep train")
+    config = apply_field_flags(config, rest, help_fields=args.help_fields, command="train")
     if args.checkpoint_every is not None:
         config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint,
                                                                             every=args.checkpoint_every))
@@ -74,6 +72,20 @@ def resolve_config(argv: list[str]):
     config = dataclasses.replace(config, model=dataclasses.replace(model, overrides=[*overrides, *parsed]))
     config.validate()
     return config, args
+
+
+def apply_field_flags(config, flags: list[str], *, help_fields: bool, command: str):
+    """``config`` with field flags (``--a.b.c VALUE``) applied by tyro, after checking each flag
+    names a field of the config's class (``--help-fields`` prints them all)."""
+    import tyro
+
+    field_args = flags + (["--help"] if help_fields else [])
+    if not field_args:
+        return config
+    unknown = _unknown_flags(field_args, type(config))
+    if unknown:
+        raise ConfigError(f"unknown flag(s) {unknown}; see `lockstep {command} --help-fields`")
+    return tyro.cli(type(config), default=config, args=field_args, prog=f"lockstep {command}")
 
 
 def _unknown_flags(args: list[str], root: type | None = None) -> list[str]:

@@ -17,22 +17,19 @@ from lockstep.config.base import ConfigError, to_dict
 
 
 def _parser() -> argparse.ArgumentParser:
+    from lockstep.cli import add_meta_flags
+
     parser = argparse.ArgumentParser(
         prog="lockstep rl", add_help=False,
         description="RL post-training from a named RL recipe. Any config field can be set with --a.b.c VALUE "
         "(see --help-fields).")
     parser.add_argument("--recipe", default="rl-debug", help="RL recipe name (see `lockstep recipes`)")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    parser.add_argument("--help-fields", action="store_true", help="list every config field flag and exit")
-    parser.add_argument("-h", "--help", action="store_true")
-    return parser
+    return add_meta_flags(parser)
 
 
 def resolve_rl_config(argv: list[str]):
     """The RLConfig ``lockstep rl argv`` would run, and the parsed meta-flags."""
-    import tyro
-
-    from lockstep.cli import _unknown_flags
+    from lockstep.cli import apply_field_flags
     from lockstep.recipes import get_recipe
     from lockstep.rl.config import RLConfig
 
@@ -41,12 +38,7 @@ def resolve_rl_config(argv: list[str]):
     if not isinstance(config, RLConfig):
         raise ConfigError(f"--recipe: {args.recipe!r} is a training recipe; run it with "
                           f"`lockstep train --recipe {args.recipe}` (RL recipes: `lockstep recipes`)")
-    field_args = rest + (["--help"] if args.help_fields else [])
-    if field_args:
-        unknown = _unknown_flags(field_args, RLConfig)
-        if unknown:
-            raise ConfigError(f"unknown flag(s) {unknown}; see `lockstep rl --help-fields`")
-        config = tyro.cli(RLConfig, default=config, args=field_args, prog="lockstep rl")
+    config = apply_field_flags(config, rest, help_fields=args.help_fields, command="rl")
     config.validate()
     return config, args
 

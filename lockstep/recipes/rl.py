@@ -55,15 +55,15 @@ def _arith_tiny_model():
 @recipe("rl-arith-tiny", "SFT then DAPO of a 1.6M llama3 on one-digit sums (reasoning-gym); held-out pass rate rises")
 def rl_arith_tiny() -> RLConfig:
     return RLConfig(
-        steps=60,
+        steps=150,
         model=_arith_tiny_model(),
         data=DataConfig(),
-        task=TaskConfig(env="reasoning_gym:basic_arithmetic", groups_per_step=16, eval_tasks=200, eval_every=10,
+        task=TaskConfig(env="reasoning_gym:basic_arithmetic", groups_per_step=16, eval_tasks=200, eval_every=25,
                         options=ARITH_OPTIONS),
         rollout=RolloutConfig(group_size=8, sampling=SamplingParams(max_new_tokens=6, temperature=1.0)),
         engine=EngineConfig(cache_memory_mb=64, max_batch_size=128),
         loss=LossConfig(kind="dapo", clip_high=0.28, filter_zero_variance_groups=True),
-        optimizer=AdamWConfig(lr=1e-3, weight_decay=0.0),
+        optimizer=AdamWConfig(lr=2e-4, weight_decay=0.0),
         sft=SFTConfig(steps=220, batch_size=32, lr=3e-3, response_template=" {answer}"),
         workers=WorkersConfig(generators=1, max_offpolicy_steps=1),
         output=RLOutputConfig(progress=True),

@@ -12,6 +12,7 @@ from typing import Any
 
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.config.base import Config, ConfigError, require, require_choice
+from lockstep.config.run import RunConfig
 from lockstep.data.config import DataConfig
 from lockstep.generate.config import EngineConfig, SamplingParams
 from lockstep.models.common.transformer import TransformerConfig
@@ -169,24 +170,13 @@ class RLOutputConfig(Config):
 
 
 @dataclasses.dataclass(kw_only=True)
-class RLConfig(Config):
-    """A whole RL run: model, environment, rollouts, loss, optimizer, workers and outputs."""
+class RLConfig(RunConfig):
+    """A whole RL run: model, environment, rollouts, loss, optimizer, workers and outputs.
 
-    #: the recipe this config came from (informational)
-    recipe: str = "custom"
+    ``init_from`` empty means a random init from ``model`` with the ``data`` tokenizer."""
+
     #: RL optimizer steps (the LR schedule spans them)
     steps: int = 10
-    #: end this invocation after this step, as an interruption would (0 = run to ``steps``)
-    stop_after: int = 0
-    #: continue from the latest complete checkpoint in run_dir (or checkpoint.storage)
-    resume: bool = False
-    #: seed of weights init, sampling and everything random
-    seed: int = 0
-    #: run directory; empty means runs/<recipe>-<timestamp>
-    run_dir: str = ""
-    #: start from these weights (a Hugging Face dir, a lockstep/run dir, or a name like "smollm2");
-    #: empty = random init from ``model`` with the ``data`` tokenizer
-    init_from: str = ""
     #: the model architecture (with init_from: checked against the checkpoint's)
     model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
     #: the tokenizer when init_from is empty (its BPE tokenizer; the corpus itself is not used)
@@ -222,11 +212,7 @@ class RLConfig(Config):
     output: RLOutputConfig = dataclasses.field(default_factory=RLOutputConfig)
 
     def validate(self, path: str = "") -> None:
-        require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
-        require(0 <= self.stop_after <= self.steps, "stop_after",
-                f"must be in [0, steps={self.steps}], got {self.stop_after}")
-        require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
-        require(not self.resume or bool(self.run_dir), "resume", "needs --run-dir: the run to continue")
+        self.validate_run()
         for name in ("model", "data", "task", "rollout", "engine", "loss", "optimizer", "lr_schedule", "training",
                      "sft", "workers", "parallel", "checkpoint", "numerics", "output"):
             getattr(self, name).validate(name)

@@ -6,6 +6,7 @@ import dataclasses
 
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.config.base import Config, require, require_choice, require_positive
+from lockstep.config.run import RunConfig
 from lockstep.data.config import DataConfig
 from lockstep.models.common.transformer import TransformerConfig
 from lockstep.numerics import NumericsConfig
@@ -75,23 +76,9 @@ class OutputConfig(Config):
 
 
 @dataclasses.dataclass(kw_only=True)
-class TrainerConfig(Config):
+class TrainerConfig(RunConfig):
     """A whole training run: recipe name, model, data, optimizer, schedule and loop settings."""
 
-    #: the recipe this config came from (informational)
-    recipe: str = "custom"
-    #: optimizer steps to run (the LR schedule spans them)
-    steps: int = 100
-    #: end this invocation after this step, as an interruption would (0 = run to ``steps``)
-    stop_after: int = 0
-    #: continue from the latest complete checkpoint in run_dir (or checkpoint.storage)
-    resume: bool = False
-    #: seed of weights init, data order and everything random
-    seed: int = 0
-    #: run directory; empty means runs/<recipe>-<timestamp>
-    run_dir: str = ""
-    #: start from these weights: a Hugging Face dir, a lockstep/run dir, or a name ("smollm2"); empty = random init
-    init_from: str = ""
     #: the model architecture
     model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
     #: the corpus, tokenizer and loaders
@@ -116,11 +103,7 @@ class TrainerConfig(Config):
     transforms: list[str] = dataclasses.field(default_factory=list)
 
     def validate(self, path: str = "") -> None:
-        require_positive(self.steps, "steps")
-        require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
-        require(0 <= self.stop_after <= self.steps, "stop_after", f"must be in [0, steps={self.steps}], "
-                f"got {self.stop_after}")
-        require(not self.resume or bool(self.run_dir), "resume", "needs --run-dir: the run to continue")
+        self.validate_run()
         require(
             self.training.seq_len <= self.model.max_seq_len,
             "training.seq_len",
