@@ -241,3 +241,15 @@ def test_learner_raises_the_rewarded_response_and_lowers_the_other(tmp_path):
         assert out["logprob_diff/max"] < 1e-5 and out["grad_norm"] > 0
     history.append((float(logp(good).sum()), float(logp(bad).sum())))
     assert all(b[0] > a[0] and b[1] < a[1] for a, b in zip(history, history[1:])), history
+
+
+@pytest.mark.slow
+def test_processes_resume_continues_with_the_saved_policy_version(tmp_path):
+    flags = ["--steps", "3", "--checkpoint.every", "1", "--numerics.batch-invariant"]
+    _cli(tmp_path, *flags, "--stop-after", "2")
+    _cli(tmp_path, *flags, "--resume")
+    records = step_records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[-1]["rollout_version"] == 2 and records[-1]["logprob_diff/max"] == 0.0  # generators got v2
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["resumed"]["from_step"] == 2
