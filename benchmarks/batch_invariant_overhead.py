@@ -7,13 +7,16 @@ One model (the recipe's, fp32 weights; the trainer side uses the recipe's autoca
 in alternating order (off, on, on, off, ...) so host-load drift hits both modes alike. Trainer: a
 full step (forward, fp32 cross-entropy, backward, AdamW) on the recipe's batch. Generator: the
 engine generating ``--new-tokens`` tokens for 16 prompts of mixed lengths (greedy, ignore EOS), and
-for one prompt. Prints medians and the on/off ratios (target <= 1.5x).
+for one prompt. Prints medians with [min, max] and the on/off ratios (target <= 1.5x), by wall
+time and by process CPU time (with ``--threads 1`` the CPU time excludes the time the process waits
+for a core, so it is the steadier measure on a shared host), and the load average.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import time
 
@@ -26,26 +29,37 @@ from lockstep.models.common.transformer import build_model
 from lockstep.recipes import get_recipe
 
 
-def train_step_seconds(model, optimizer, tokens, targets, dtype) -> float:
+class Clock:
+    """Wall and process-CPU seconds of a block."""
+
+    def __enter__(self) -> "Clock":
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def train_step_seconds(model, optimizer, tokens, targets, dtype) -> tuple[float, float]:
     autocast = (torch.autocast("cpu", dtype=dtype) if dtype != torch.float32 else contextlib.nullcontext())
-    start = time.perf_counter()
-    with autocast:
-        logits = model(tokens)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    with Clock() as clock:
+        with autocast:
+            logits = model(tokens)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return clock.wall, clock.cpu
 
 
-def generate_tokens_per_s(model, prompts, new_tokens: int) -> float:
+def generate_tokens_per_s(model, prompts, new_tokens: int) -> tuple[float, float]:
     engine = Engine(model, None, EngineConfig(cache_memory_mb=256, max_batch_size=len(prompts)))
     requests = [Request(prompt_ids=p, sampling=SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
                 for p in prompts]
-    start = time.perf_counter()
-    results = engine.generate(requests)
-    seconds = time.perf_counter() - start
-    return sum(len(r.token_ids) for r in results) / seconds
+    with Clock() as clock:
+        results = engine.generate(requests)
+    tokens = sum(len(r.token_ids) for r in results)
+    return tokens / clock.wall, tokens / clock.cpu
 
 
 def main() -> None:
@@ -72,28 +86,39 @@ def main() -> None:
     print(f"recipe {args.recipe}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"train batch {batch}x{seq} ({cfg.training.dtype}), generate 16 + 1 prompts x {args.new_tokens} "
           f"tokens (fp32), {args.threads} threads")
-    results: dict[tuple[str, bool], list[float]] = {}
+    results: dict[tuple[str, str, bool], list[float]] = {}
+
+    def record(name: str, mode: bool, values: tuple[float, float]) -> None:
+        for clock, value in zip(("wall", "cpu"), values):
+            results.setdefault((clock, name, mode), []).append(value)
+
     order = [False, True, True, False] * args.rounds
     for mode in [False, True]:  # warm-up, not recorded
         with numerics.batch_invariant(mode):
             numerics.prepare_model(model)
             train_step_seconds(model, optimizer, inputs, targets, dtype)
+    load_before = os.getloadavg()
     for mode in order:
         with numerics.batch_invariant(mode):
             numerics.prepare_model(model)
-            results.setdefault(("train_s", mode), []).append(
-                train_step_seconds(model, optimizer, inputs, targets, dtype))
+            record("train_s", mode, train_step_seconds(model, optimizer, inputs, targets, dtype))
             with torch.no_grad():
-                results.setdefault(("gen16_tok_s", mode), []).append(
-                    generate_tokens_per_s(model, prompts, args.new_tokens))
-                results.setdefault(("gen1_tok_s", mode), []).append(
-                    generate_tokens_per_s(model, prompts[:1], args.new_tokens))
-    print(f"{'measure':<24}{'off':>12}{'on':>12}{'slowdown':>10}")
-    for name, label, slower in [("train_s", "trainer step (s)", lambda off, on: on / off),
-                                ("gen16_tok_s", "generate b=16 (tok/s)", lambda off, on: off / on),
-                                ("gen1_tok_s", "generate b=1 (tok/s)", lambda off, on: off / on)]:
-        off, on = statistics.median(results[(name, False)]), statistics.median(results[(name, True)])
-        print(f"{label:<24}{off:>12.3f}{on:>12.3f}{slower(off, on):>9.2f}x")
+                record("gen16_tok_s", mode, generate_tokens_per_s(model, prompts, args.new_tokens))
+                record("gen1_tok_s", mode, generate_tokens_per_s(model, prompts[:1], args.new_tokens))
+    load_after = os.getloadavg()
+    for clock in ("wall", "cpu"):
+        print(f"\nby {clock} time: median [min, max] of {2 * args.rounds} runs per mode")
+        print(f"{'measure':<24}{'off':>28}{'on':>28}{'slowdown':>10}")
+        for name, label, slower in [("train_s", "trainer step (s)", lambda off, on: on / off),
+                                    ("gen16_tok_s", "generate b=16 (tok/s)", lambda off, on: off / on),
+                                    ("gen1_tok_s", "generate b=1 (tok/s)", lambda off, on: off / on)]:
+            cells = []
+            for mode in (False, True):
+                values = results[(clock, name, mode)]
+                cells.append(f"{statistics.median(values):.3f} [{min(values):.3f}, {max(values):.3f}]")
+            off, on = (statistics.median(results[(clock, name, mode)]) for mode in (False, True))
+            print(f"{label:<24}{cells[0]:>28}{cells[1]:>28}{slower(off, on):>9.2f}x")
+    print(f"\nload average (1, 5, 15 min) before {load_before}, after {load_after}")
     numerics.set_batch_invariant(False)
 
 

@@ -56,16 +56,19 @@ def _library() -> ctypes.CDLL | None:
     key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES), version, " ".join(_FLAGS), _cpu_id()]).encode())
     cache = Path(os.environ.get("LOCKSTEP_CACHE", Path.home() / ".cache" / "lockstep")) / "kernels"
     path = cache / f"bi_kernels-{key.hexdigest()[:16]}.so"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, publish atomically
-            built = Path(tmp) / path.name
-            result = subprocess.run([compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), "-lm"],
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                return None
-            os.replace(built, path)
-    lib = ctypes.CDLL(str(path))
+    try:
+        if not path.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, publish atomically
+                built = Path(tmp) / path.name
+                result = subprocess.run([compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), "-lm"],
+                                        capture_output=True, text=True)
+                if result.returncode != 0:
+                    return None
+                os.replace(built, path)
+        lib = ctypes.CDLL(str(path))
+    except OSError:
+        return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.bi_attention_forward.argtypes = [ptr] * 5 + [i64] * 9 + [ctypes.c_float, i64]
     lib.bi_attention_forward.restype = None

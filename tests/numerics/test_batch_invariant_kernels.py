@@ -1,20 +1,38 @@
 """The batch-invariant kernels, one by one: bitwise invariance where promised, accuracy elsewhere."""
 
+import shutil
+
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lockstep.ops import bi_kernel
 from lockstep.ops.attention import reference_attention
 from lockstep.ops.batch_invariant import KV_CHUNK, chunked_attention, head_matmul, linear
 
 DTYPES = [torch.float32, torch.bfloat16]
+#: "c": the C kernels (lockstep.ops.bi_kernel); "tiled": the fixed-tile bmm fallback used without a compiler
+IMPLS = ["c", "tiled"]
 
 
+@pytest.fixture
+def impl(request, monkeypatch):
+    if request.param == "tiled":
+        monkeypatch.setattr(bi_kernel, "available", lambda: False)
+    return request.param
+
+
+def test_the_c_kernels_build_where_there_is_a_compiler():
+    if shutil.which("gcc") or shutil.which("cc"):
+        assert bi_kernel.available()
+
+
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.lists(st.integers(0, 99), min_size=1, max_size=70))
-def test_linear_row_does_not_depend_on_the_batch(dtype, rows):
+def test_linear_row_does_not_depend_on_the_batch(impl, dtype, rows):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(100, 192, generator=g).to(dtype)
     w = torch.randn(320, 192, generator=g).to(dtype)
@@ -29,6 +47,18 @@ def test_plain_matmul_is_not_batch_invariant_here():
     full = torch.nn.functional.linear(x, w)
     assert any(not torch.equal(torch.nn.functional.linear(x[i:i + m], w), full[i:i + m])
                for i, m in ((0, 1), (3, 2), (5, 7)))
+
+
+def test_linear_follows_in_place_weight_updates():
+    """The C kernel caches a transposed copy of each weight; an optimizer step must invalidate it."""
+    g = torch.Generator().manual_seed(6)
+    x, w = torch.randn(5, 40, generator=g), torch.nn.Parameter(torch.randn(24, 40, generator=g))
+    with torch.no_grad():
+        before = linear(x, w)
+        w.mul_(-2.0)
+        torch.testing.assert_close(linear(x, w), -2.0 * before, rtol=0, atol=1e-5)
+        w.copy_(torch.randn(24, 40, generator=g))
+        torch.testing.assert_close(linear(x, w), x @ w.t(), rtol=0, atol=1e-5)
 
 
 def test_linear_matches_f_linear_and_its_gradients():
@@ -56,9 +86,10 @@ def test_head_matmul_is_per_row_invariant_and_right():
     assert torch.equal(head_matmul(x[1:2, :, 7:9], w), out[1:2, :, 7:9])
 
 
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 1)])
-def test_decode_from_a_cache_equals_the_full_sequence(dtype, heads, kv_heads):
+def test_decode_from_a_cache_equals_the_full_sequence(impl, dtype, heads, kv_heads):
     g = torch.Generator().manual_seed(3)
     b, t, d = 3, 2 * KV_CHUNK + 13, 16
     q = torch.randn(b, heads, t, d, generator=g).to(dtype)
