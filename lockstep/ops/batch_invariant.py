@@ -1,25 +1,30 @@
 """Batch-invariant kernels: a row's result does not depend on the other rows in the call.
 
-Measured on this CPU (torch 2.13, oneDNN/MKL; ``benchmarks/batch_invariant_probe.py``): a plain
-``x @ W`` picks its kernel by the row count (GEMV for one row, other micro-kernels below ~16 rows,
-other thread splits above), so the same row gives different bits in a batch of 1, 7 or 64; row
-reductions (sum, mean, amax, softmax, log_softmax, RMSNorm) and elementwise ops do not. But a
-``bmm`` whose every entry has the *same* shape gives each entry (and each row of it) the same bits
-whatever the entry count, the row's position in the tile and the other rows' values. So every
-matmul here runs as a ``bmm`` of fixed-shape tiles:
+Measured on this CPU (torch 2.13, oneDNN/MKL): a plain ``x @ W`` picks its kernel by the row
+count (GEMV for one row, other micro-kernels below ~16 rows, other thread splits above), so the
+same row gives different bits in a batch of 1, 7 or 64; row reductions (sum, mean, amax, softmax,
+log_softmax, RMSNorm) and elementwise ops do not. Two ways to make a row's bits fixed:
 
-* :func:`tiled_matmul` / :func:`linear`: rows padded to a multiple of ``row_tile(dtype)`` (16
-  rows in fp32, 128 in bf16, where oneDNN's bmm is slow below that) and multiplied
-  tile by tile (backward is the ordinary full-batch matmul: only forward values must be invariant).
-* :func:`chunked_attention`: keys in fixed chunks of ``KV_CHUNK`` positions (chunk ``j`` always
-  holds positions ``[j*C, (j+1)*C)``), query rows of one key/value head in tiles of
-  ``ATTN_ROW_TILE``; scores and probability-weighted values per (tile, chunk) are fixed-shape bmm
-  entries; the softmax uses the max over every unmasked key and sums chunk partials in chunk
-  order. Chunks a query cannot see add exact zeros, so a query at position t gets the same bits
-  from a full-sequence forward (trainer, prefill) and from a KV-cache decode step.
+* **C kernels** (:mod:`lockstep.ops.bi_kernel`, used wherever a C compiler builds them): compiled
+  without fast-math or FMA contraction, so the source order is the arithmetic order, and written
+  so that each output element has one reduction order that depends on nothing but its own
+  inputs: fp32 linear (one fma chain over k per element; lanes over output columns) and the
+  attention forward (each query row reduces its visible keys in position order). No padding,
+  tiles or copies, and the thread count does not matter.
+* **Fixed-shape tiles** (everything else): a ``bmm`` whose every entry has the *same* shape gives
+  each row the same bits whatever the entry count, the row's place and its neighbours.
+  :func:`tiled_matmul`: rows padded to a multiple of ``row_tile(dtype)`` (16 in fp32, 128 in
+  bf16, where oneDNN is slow below that; bf16 runs one ``mm`` per tile) - the bf16/fp16 linear,
+  MLA's :func:`head_matmul`, and the fp32 linear without a compiler.
+  :func:`tiled_attention_forward` (the attention fallback): keys in fixed chunks of ``KV_CHUNK``
+  positions, query rows in tiles of ``ATTN_ROW_TILE``, one bmm entry per (tile, chunk), the max
+  over every visible key, chunk partials summed in chunk order.
 
-Everything is fp32 inside attention (inputs upcast); linear computes in its input dtype (under
-autocast: the autocast dtype, as ``F.linear`` would).
+Both make a query at position t get the same bits from a full-sequence forward (trainer, prefill)
+and from a KV-cache decode step. The two are not bitwise equal to each other; a process uses one
+(:func:`bi_kernel.available` is decided once). Backward passes are the ordinary ones (only forward
+values must be invariant). Attention computes in fp32 (inputs upcast); linear computes in its input
+dtype (under autocast: the autocast dtype, as ``F.linear`` would).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from lockstep.ops.attention import register_attention, register_cached_attention
 #: fp32 rows per tile: one tile holds a 16-sequence decode step (32 would double its work, and
 #: pad a single sequence's row 32-fold); at trainer sizes 16 and 32 cost about the same
 ROW_TILE = 16
-#: bf16/fp16 bmm on CPU is fast only from about 128 rows per entry (oneDNN); fp32 is fine at 32
+#: bf16/fp16 bmm on CPU is fast only from about 128 rows per entry (oneDNN); fp32 is fine at 16
 HALF_ROW_TILE = 128
 ATTN_ROW_TILE = 16
 KV_CHUNK = 32
@@ -66,7 +71,7 @@ def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int | None = None) -> t
 def _weight_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ weight [N, K].T``, batch-invariant: fp32 through the C kernel (one fma chain
     per element, no row padding) where it builds, otherwise (and in bf16/fp16) fixed row tiles."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32 and bi_kernel.available():
+    if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and bi_kernel.available()):
         return bi_kernel.matmul(x, weight)
     return tiled_matmul(x, weight.t())
 
@@ -172,10 +177,11 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
                       scale: float | None) -> torch.Tensor:
-    """The invariant forward: the C kernel (:mod:`lockstep.ops.bi_kernel`) where it builds, else
-    :func:`tiled_attention_forward` (one choice per process, so both sides of a comparison agree)."""
+    """The invariant forward: the C kernel (:mod:`lockstep.ops.bi_kernel`) on CPU where it builds,
+    else :func:`tiled_attention_forward` (one choice per process and device, so both sides of a
+    comparison agree)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if bi_kernel.available():
+    if q.device.type == "cpu" and bi_kernel.available():
         return bi_kernel.attention_forward(q, k, v, q_positions, scale)
     return tiled_attention_forward(q, k, v, q_positions, scale)
 

@@ -1,19 +1,20 @@
-/* Batch-invariant causal attention forward, fp32 (lockstep.ops.bi_attention_kernel).
+/* Batch-invariant causal attention forward, fp32 (lockstep.ops.bi_kernel).
  *
  * Every output row is computed by the same sequence of IEEE operations whatever the batch, the
  * row's neighbours, the context padding or the thread that runs it: compiled without -ffast-math
- * and with -ffp-contract=off, the compiler may vectorise but not reorder or fuse, so the source
- * order below *is* the arithmetic order. For a query row that sees keys 0..n-1 (key j at absolute
+ * and with -ffp-contract=off (-fno-trapping-math only allows vectorising the exp), the compiler may
+ * vectorise but not reorder or fuse, so the source order below *is* the arithmetic order. For a query row that sees keys 0..n-1 (key j at absolute
  * position j):
  *   s_j = scale * fma-chain over d of q[d] * k[d][j]       (d = 0, 1, ..., D-1, one accumulator)
  *   m   = max_j s_j                                          (exact in any order)
- *   p_j = exp_poly(s_j - m)                                  (one polynomial, see exp_poly)
+ *   p_j = exp(s_j - m)                                       (one polynomial, see exp_block)
  *   l   = 16 lanes by j mod 16, each summed in increasing j, then a fixed pairwise tree
  *   o_e = fma-chain over j of p_j * v[j][e]                  (j = 0, 1, ..., n-1)
  *   out = o_e / l
  * Rows are processed RB at a time (register blocking) and keys up to the largest n in the block;
  * a key a row cannot see gets p = +0, and adding +0 (or fma(+0, v, acc) with finite v) leaves an
- * accumulator unchanged bit for bit, so the block size and its other rows do not matter.
+ * accumulator unchanged bit for bit (accumulators start at +0, so they are never -0), so the block
+ * size and its other rows do not matter.
  */
 #include <math.h>
 #include <stdint.h>
