@@ -94,3 +94,17 @@ def test_weights_dtype_of_the_model_itself_uses_the_model():
     assert engine_for(model).runner is model
     with pytest.raises(ConfigError, match="weights_dtype"):
         EngineConfig(weights_dtype="float16").validate()
+
+
+def test_compiled_decode_over_bf16_weights_follows_updates():
+    """The compiled step reads the bf16 copy's parameters as graph inputs: synced updates reach it."""
+    model = tiny_model("qwen3")
+    reqs = _requests([3, 6], max_new=5)
+    eager = engine_for(model, max_batch_size=2, weights_dtype="bfloat16")
+    compiled = engine_for(model, max_batch_size=2, weights_dtype="bfloat16", compile_decode="aot_eager")
+    for _ in range(2):
+        for a, b in zip(eager.generate(reqs), compiled.generate(reqs)):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=0.05)
+        with torch.no_grad():
+            model.layers["1"].attention.wq.weight.mul_(-1.0)
