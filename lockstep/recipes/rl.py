@@ -76,7 +76,7 @@ def rl_smollm2() -> RLConfig:
         steps=10,
         init_from=INIT_FROM,
         model=smollm2_config(max_seq_len=2048),
-        task=TaskConfig(env="reasoning_gym:chain_sum", groups_per_step=4, eval_tasks=32, eval_every=5,
+        task=TaskConfig(env="reasoning_gym:chain_sum", groups_per_step=4, eval_tasks=24, eval_every=5,
                         options={"dataset_kwargs": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2},
                                  "answer_format": "last_number"}),
         rollout=RolloutConfig(group_size=4, sampling=SamplingParams(max_new_tokens=48, temperature=1.0)),
