@@ -231,7 +231,8 @@ class RLTrainer:
 
     def _finish(self, manifest: RunManifest, steps: list[dict], evals: list[dict]) -> None:
         records = read_metrics(self.run_dir / "metrics.jsonl")
-        plot_series(records, ["reward/mean", "pass_rate", "eval/pass_rate"], self.run_dir / "reward.png",
+        plot_series(_reward_plot_records(records), ["reward/mean", "pass_rate", "pass_rate (10-step mean)",
+                                                    "eval/pass_rate"], self.run_dir / "reward.png",
                     f"{self.config.recipe}: reward and pass rate", ylabel="reward / pass rate")
         if self.config.output.save_weights:
             save_weights(self.shadow.state_dict(), self.run_dir / "model.safetensors", self.config.model.tie_embeddings)
@@ -254,3 +255,14 @@ class RLTrainer:
             manifest.add_check("rl_batch_invariance", max(diffs) == 0.0,
                                logprob_diff_max=max(diffs), steps=len(diffs),
                                note="generator logprobs vs trainer logprobs of the same weights, every step")
+
+
+def _reward_plot_records(records: list[dict], window: int = 10) -> list[dict]:
+    """Step records with a trailing mean of the pass rate, and the evaluations after SFT (the one
+    before SFT would sit at step 0 beside the one before RL)."""
+    steps = [r for r in records if "pass_rate" in r]
+    out = []
+    for i, r in enumerate(steps):
+        recent = [s["pass_rate"] for s in steps[max(0, i + 1 - window): i + 1]]
+        out.append({**r, "pass_rate (10-step mean)": sum(recent) / len(recent)})
+    return out + [r for r in records if "eval/pass_rate" in r and r.get("phase") != "before_sft"]
