@@ -253,3 +253,15 @@ def test_processes_resume_continues_with_the_saved_policy_version(tmp_path):
     assert records[-1]["rollout_version"] == 2 and records[-1]["logprob_diff/max"] == 0.0  # generators got v2
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["resumed"]["from_step"] == 2
+
+
+def test_kl_reference_and_truncated_is_in_the_loop_and_in_the_checkpoint(tmp_path):
+    flags = ["--workers.generators", "0", "--steps", "2", "--training.ratio-to", "current", "--loss.tis-cap", "2",
+             "--loss.kl-coef", "0.05", "--checkpoint.every", "1", "--checkpoint.mode", "sync"]
+    result = run_rl(debug_config(tmp_path, *flags))
+    records = step_records(result.run_dir)
+    assert all("loss/kl" in r and "loss/tis_weight_mean" in r for r in records)
+    assert records[0]["loss/kl"] == 0.0 and records[1]["loss/kl"] > 0  # the policy left the reference
+    assert all(0 < r["loss/tis_weight_mean"] <= 2 for r in records)
+    index = json.loads(next((result.run_dir / "checkpoints").glob("step-*/index.json")).read_text())
+    assert any(name.startswith("reference/") for name in index["tensors"])
