@@ -132,18 +132,31 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class _ChunkedAttention(torch.autograd.Function):
-    """Invariant forward; the backward is ordinary SDPA math recomputed from q, k, v (only forward
-    values must be batch-invariant, and differentiating through the tile copies costs ~5x)."""
+    """Invariant forward; the backward is ordinary SDPA math (only forward values must be
+    batch-invariant, and differentiating through the tile copies costs ~5x). For the trainer's
+    full sequence with the C kernel, SDPA's flash backward runs on the kernel's output and
+    log-sum-exp (nothing recomputed); otherwise SDPA is recomputed from q, k, v."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_positions, scale, square_causal):
-        ctx.save_for_backward(q, k, v, q_positions)
         ctx.scale, ctx.square_causal = scale, square_causal
+        if (square_causal and q.device.type == "cpu" and bi_kernel.available()
+                and q.dtype == k.dtype == v.dtype and v.shape[-1] == q.shape[-1]):
+            scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+            out, lse = bi_kernel.attention_forward(q, k, v, q_positions, scale, with_lse=True)
+            ctx.save_for_backward(q, k, v, q_positions, out, lse)
+            return out
+        ctx.save_for_backward(q, k, v, q_positions)
         return attention_forward(q, k, v, q_positions, scale)
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, q_positions = ctx.saved_tensors
+        q, k, v, q_positions, *saved = ctx.saved_tensors
+        if saved:
+            out, lse = saved
+            grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grad.to(out.dtype), q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+            return (*(g if t.requires_grad else None for g, t in zip(grads, (q, k, v))), None, None, None)
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
             if ctx.square_causal:  # the trainer's full sequence: the flash kernel's backward

@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -64,13 +65,15 @@ def _library() -> ctypes.CDLL | None:
                 result = subprocess.run([compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), "-lm"],
                                         capture_output=True, text=True)
                 if result.returncode != 0:
+                    warnings.warn(f"lockstep: the batch-invariant C kernels did not build; using the tiled "
+                                  f"fallback:\n{result.stderr[-2000:]}", RuntimeWarning, stacklevel=2)
                     return None
                 os.replace(built, path)
         lib = ctypes.CDLL(str(path))
     except OSError:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.bi_attention_forward.argtypes = [ptr] * 5 + [i64] * 9 + [ctypes.c_float, i64]
+    lib.bi_attention_forward.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float, i64]
     lib.bi_attention_forward.restype = None
     lib.bi_matmul.argtypes = [ptr] * 3 + [i64] * 4
     lib.bi_matmul.restype = None
@@ -83,9 +86,11 @@ def available() -> bool:
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                      scale: float) -> torch.Tensor:
+                      scale: float, with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``q [B, H, T, D]``, ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]``, ``q_positions [B, T]`` ->
-    ``[B, H, T, Dv]`` in q's dtype; query ``(b, t)`` attends keys ``0..q_positions[b, t]``."""
+    ``[B, H, T, Dv]`` in q's dtype; query ``(b, t)`` attends keys ``0..q_positions[b, t]``.
+    ``with_lse``: also each row's fp32 log-sum-exp of its scaled scores ``[B, H, T]`` (what SDPA's
+    flash backward takes)."""
     lib = _library()
     assert lib is not None, "bi_kernel.attention_forward called without the C kernel"
     bsz, heads, t, d = q.shape
@@ -108,9 +113,12 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
         vf[..., dv:].zero_()
     pos = q_positions.to(torch.int64).contiguous()
     out = torch.empty(bsz, kv_heads, rows, dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(bsz, heads, t, dtype=torch.float32, device=q.device) if with_lse else None
     lib.bi_attention_forward(qf.data_ptr(), kt.data_ptr(), vf.data_ptr(), pos.data_ptr(), out.data_ptr(),
+                             lse.data_ptr() if lse is not None else None,
                              bsz, kv_heads, rows, t, d, s, s_pad, dv, dv_pad, scale, 4 if rows >= 4 else 1)
-    return out.view(bsz, heads, t, dv).to(q.dtype)
+    out = out.view(bsz, heads, t, dv).to(q.dtype)
+    return (out, lse) if with_lse else out
 
 
 #: output columns per block of ``csrc/bi_matmul.c`` (the transposed weight is padded to it)

@@ -53,12 +53,11 @@ static inline void exp_block(const float *restrict x, int live, float *restrict 
 }
 
 /* One block of RB consecutive rows of one (batch, kv head): q [RB, d], n[r] visible keys,
-   kt [d, s_pad], v [s_pad, dv_pad], scores [RB, s_pad] scratch, out [RB, dv]. */
+   kt [d, s_pad], v [s_pad, dv_pad], scores [RB, s_pad] scratch, out [RB, dv], lse [RB] or NULL. */
 static inline __attribute__((always_inline)) void block(
-                         const int RB, const float *restrict q, const int64_t *restrict n,
-                       const float *restrict kt, const float *restrict v, int64_t d,
-                       int64_t s_pad, int64_t dv, int64_t dv_pad, float scale,
-                       float *restrict scores, float *restrict out) {
+    const int RB, const float *restrict q, const int64_t *restrict n, const float *restrict kt,
+    const float *restrict v, int64_t d, int64_t s_pad, int64_t dv, int64_t dv_pad, float scale,
+    float *restrict scores, float *restrict out, float *restrict lse) {
     int64_t n_max = 0;
     for (int r = 0; r < RB; r++) n_max = n[r] > n_max ? n[r] : n_max;
     int64_t n_keys = (n_max + KB - 1) / KB * KB;
@@ -105,6 +104,7 @@ static inline __attribute__((always_inline)) void block(
         for (int w = KB / 2; w > 0; w /= 2)
             for (int l = 0; l < w; l++) lanes[l] += lanes[l + w];
         total[r] = lanes[0];
+        if (lse) lse[r] = m + logf(total[r]); /* for the backward only */
     }
     for (int64_t eb = 0; eb < dv_pad; eb += EB) {
         float o[4][EB];
@@ -125,21 +125,22 @@ static inline __attribute__((always_inline)) void block(
 
 static void block_1(const float *restrict q, const int64_t *restrict n, const float *restrict kt,
                     const float *restrict v, int64_t d, int64_t s_pad, int64_t dv, int64_t dv_pad,
-                    float scale, float *restrict scores, float *restrict out) {
-    block(1, q, n, kt, v, d, s_pad, dv, dv_pad, scale, scores, out);
+                    float scale, float *restrict scores, float *restrict out, float *restrict lse) {
+    block(1, q, n, kt, v, d, s_pad, dv, dv_pad, scale, scores, out, lse);
 }
 
 static void block_4(const float *restrict q, const int64_t *restrict n, const float *restrict kt,
                     const float *restrict v, int64_t d, int64_t s_pad, int64_t dv, int64_t dv_pad,
-                    float scale, float *restrict scores, float *restrict out) {
-    block(4, q, n, kt, v, d, s_pad, dv, dv_pad, scale, scores, out);
+                    float scale, float *restrict scores, float *restrict out, float *restrict lse) {
+    block(4, q, n, kt, v, d, s_pad, dv, dv_pad, scale, scores, out, lse);
 }
 
 /* q [B, Hkv, R, D] (row r is query t = r % T), kt [B, Hkv, D, s_pad], v [B, Hkv, s_pad, dv_pad],
-   pos [B, T] (row sees keys 0..pos, capped at s), out [B, Hkv, R, dv]; all contiguous.
+   pos [B, T] (row sees keys 0..pos, capped at s), out [B, Hkv, R, dv], lse [B, Hkv, R] or NULL
+   (each row's log-sum-exp of its scaled scores, for the backward); all contiguous.
    rb: rows per block, 1 or 4 (any choice gives the same bits). */
 void bi_attention_forward(const float *q, const float *kt, const float *v, const int64_t *pos,
-                          float *out, int64_t b, int64_t hkv, int64_t rows, int64_t t, int64_t d,
+                          float *out, float *lse, int64_t b, int64_t hkv, int64_t rows, int64_t t, int64_t d,
                           int64_t s, int64_t s_pad, int64_t dv, int64_t dv_pad, float scale,
                           int64_t rb) {
     int64_t row_blocks = (rows + rb - 1) / rb;
@@ -159,12 +160,13 @@ void bi_attention_forward(const float *q, const float *kt, const float *v, const
             const float *q_blk = q + (bh * rows + r0) * d;
             const float *kt_bh = kt + bh * d * s_pad, *v_bh = v + bh * s_pad * dv_pad;
             float *out_blk = out + (bh * rows + r0) * dv;
+            float *lse_blk = lse ? lse + bh * rows + r0 : NULL;
             if (nr == 4)
-                block_4(q_blk, n, kt_bh, v_bh, d, s_pad, dv, dv_pad, scale, scores, out_blk);
+                block_4(q_blk, n, kt_bh, v_bh, d, s_pad, dv, dv_pad, scale, scores, out_blk, lse_blk);
             else
                 for (int r = 0; r < nr; r++)
                     block_1(q_blk + r * d, n + r, kt_bh, v_bh, d, s_pad, dv, dv_pad, scale, scores,
-                            out_blk + r * dv);
+                            out_blk + r * dv, lse_blk ? lse_blk + r : NULL);
         }
         free(scores);
     }
