@@ -281,3 +281,13 @@ def test_step_result_check():
         StepResult(done=True).check()
     with pytest.raises(ValueError, match="StepResult.reply"):
         StepResult(reward=1.0).check()
+
+
+def test_echo_rewards_similarity_and_is_deterministic():
+    env = get_environment("echo", words=3)
+    task = env.reset(7)
+    assert task == env.reset(7) and len(task.answer.split()) == 3
+    assert env.step(task, task.answer).reward == 1.0
+    partial = env.step(task, task.answer[:5]).reward
+    assert 0 < partial < 1
+    assert env.step(task, "").reward == 0.0
