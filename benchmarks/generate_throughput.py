@@ -213,8 +213,11 @@ def setup_vllm_venv(path: Path) -> None:
 def measure(sides: list, prompts: list[list[int]], new: int, rounds: int) -> dict:
     """Interleaved rounds (order rotated each round); tokens/s per side per round."""
     for side in sides:  # warm-up (and compilation of every bucket the rounds use): not timed
-        side.run(prompts[:1], 2)
-        side.run(prompts, new if getattr(side, "compiled", False) else 2)
+        if getattr(side, "compiled", False):
+            side.run(prompts, new)
+        else:
+            side.run(prompts[:1], 2)
+            side.run(prompts, 2)
     rates: dict[str, list[float]] = {s.name: [] for s in sides}
     tokens: dict[str, list[list[int]]] = {}
     for r in range(rounds):
