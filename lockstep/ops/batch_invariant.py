@@ -5,17 +5,15 @@ count (GEMV for one row, other micro-kernels below ~16 rows, other thread splits
 same row gives different bits in a batch of 1, 7 or 64; row reductions (sum, mean, amax, softmax,
 log_softmax, RMSNorm) and elementwise ops do not. Two ways to make a row's bits fixed:
 
-* **C kernels** (:mod:`lockstep.ops.bi_kernel`, used wherever a C compiler builds them): compiled
-  without fast-math or FMA contraction, so the source order is the arithmetic order, and written
-  so that each output element has one reduction order that depends on nothing but its own
-  inputs: fp32 linear (one fma chain over k per element; lanes over output columns) and the
-  attention forward (each query row reduces its visible keys in position order). No padding,
-  tiles or copies, and the thread count does not matter.
+* **A C kernel** for the attention forward (:mod:`lockstep.ops.bi_kernel`, used wherever a C
+  compiler builds it): compiled without fast-math or FMA contraction, so the source order is the
+  arithmetic order; each query row reduces its visible keys in position order, depending on
+  nothing but its own inputs. No padding, tiles or copies, and the thread count does not matter.
 * **Fixed-shape tiles** (everything else): a ``bmm`` whose every entry has the *same* shape gives
   each row the same bits whatever the entry count, the row's place and its neighbours.
   :func:`tiled_matmul`: rows padded to a multiple of ``row_tile(dtype)`` (16 in fp32, 128 in
-  bf16, where oneDNN is slow below that; bf16 runs one ``mm`` per tile) - the bf16/fp16 linear,
-  MLA's :func:`head_matmul`, and the fp32 linear without a compiler.
+  bf16, where oneDNN is slow below that; bf16 runs one ``mm`` per tile) - every linear and
+  MLA's :func:`head_matmul`.
   :func:`tiled_attention_forward` (the attention fallback): keys in fixed chunks of ``KV_CHUNK``
   positions, query rows in tiles of ``ATTN_ROW_TILE``, one bmm entry per (tile, chunk), the max
   over every visible key, chunk partials summed in chunk order.
@@ -69,10 +67,9 @@ def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int | None = None) -> t
 
 
 def _weight_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ weight [N, K].T``, batch-invariant: fp32 through the C kernel (one fma chain
-    per element, no row padding) where it builds, otherwise (and in bf16/fp16) fixed row tiles."""
-    if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and bi_kernel.available()):
-        return bi_kernel.matmul(x, weight)
+    """``x [M, K] @ weight [N, K].T`` in fixed row tiles (a C kernel reading the weight in place
+    was tried: fast only with a cached transposed weight, and such a cache goes stale when weights
+    are written by collectives or FSDP's all-gather, which move no version counter)."""
     return tiled_matmul(x, weight.t())
 
 

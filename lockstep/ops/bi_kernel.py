@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bi_attention.c", "bi_matmul.c")]
+_SOURCES = [Path(__file__).parent / "csrc" / "bi_attention.c"]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",
           "-fopenmp", "-fPIC", "-shared"]
 #: key positions and value columns are padded to these (the kernel's lane blocks)
@@ -75,8 +75,6 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.bi_attention_forward.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float, i64]
     lib.bi_attention_forward.restype = None
-    lib.bi_matmul.argtypes = [ptr] * 3 + [i64] * 4
-    lib.bi_matmul.restype = None
     return lib
 
 
@@ -119,37 +117,3 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
                              bsz, kv_heads, rows, t, d, s, s_pad, dv, dv_pad, scale, 4 if rows >= 4 else 1)
     out = out.view(bsz, heads, t, dv).to(q.dtype)
     return (out, lse) if with_lse else out
-
-
-#: output columns per block of ``csrc/bi_matmul.c`` (the transposed weight is padded to it)
-COLUMN_BLOCK = 64
-
-
-def _transposed(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [N, K]`` as ``[K, N]`` fp32, columns zero-padded to COLUMN_BLOCK; cached on the
-    tensor until it changes (its version counter moves with every in-place update, e.g. an
-    optimizer step or a weight sync), so decoding transposes each weight once."""
-    stamp = None if weight.is_inference() else (weight._version, weight.data_ptr())  # no version counter
-    cached = getattr(weight, "_bi_transposed", None)
-    if stamp is not None and cached is not None and cached[0] == stamp:
-        return cached[1]
-    n, k = weight.shape
-    wt = torch.zeros(k, -(-n // COLUMN_BLOCK) * COLUMN_BLOCK, dtype=torch.float32, device=weight.device)
-    wt[:, :n].copy_(weight.detach().t())
-    if stamp is not None:
-        weight._bi_transposed = (stamp, wt)
-    return wt
-
-
-def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x [M, K] @ weight [N, K].T -> [M, N]``, every element one fma chain over k in order,
-    whatever ``M`` (``csrc/bi_matmul.c``); forward only."""
-    lib = _library()
-    assert lib is not None, "bi_kernel.matmul called without the C kernel"
-    wt = _transposed(weight)
-    x = x.detach().contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
-    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    lib.bi_matmul(x.data_ptr(), wt.data_ptr(), out.data_ptr(), m, n, k, wt.shape[1])
-    return out

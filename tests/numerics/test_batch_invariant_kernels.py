@@ -50,7 +50,7 @@ def test_plain_matmul_is_not_batch_invariant_here():
 
 
 def test_linear_follows_in_place_weight_updates():
-    """The C kernel caches a transposed copy of each weight; an optimizer step must invalidate it."""
+    """No stale per-weight state: an in-place update (an optimizer step, a weight sync) is seen at once."""
     g = torch.Generator().manual_seed(6)
     x, w = torch.randn(5, 40, generator=g), torch.nn.Parameter(torch.randn(24, 40, generator=g))
     with torch.no_grad():
