@@ -121,9 +121,14 @@ def rowwise(fn, x: torch.Tensor, multiple: int = 64) -> torch.Tensor:
 
 
 def thread_settings() -> dict:
-    """What a bitwise promise depends on in this process (recorded in run manifests)."""
-    return {"batch_invariant": _BATCH_INVARIANT, "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    """What a bitwise promise depends on in this process (recorded in run manifests): the two
+    batch-invariant attention implementations agree with themselves, not with each other."""
+    out = {"batch_invariant": _BATCH_INVARIANT, "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    if _BATCH_INVARIANT:
+        from lockstep.ops import bi_kernel
+
+        out["batch_invariant_attention"] = "c_kernel" if bi_kernel.available() else "tiled_fallback"
+    return out
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -13,6 +13,8 @@ import time
 
 import torch.distributed as dist
 
+from lockstep import numerics
+
 from lockstep.generate.engine import Engine
 from lockstep.rl.config import RLConfig
 from lockstep.rl.layout import RLLayout
@@ -61,7 +63,8 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
         needed = max(start, step - 1 - config.workers.max_offpolicy_steps)
         waited = receiver.wait_for(needed)
         payload = rollout_batch_payload(rollout, env, config, step, receiver.version)
-        payload.update({"generator/weight_wait_s": waited, "generator/rank": layout.rank,
+        payload.update({"numerics": numerics.thread_settings(), "generator/weight_wait_s": waited,
+                        "generator/rank": layout.rank,
                         "generator/weight_apply_s": receiver.apply_s})
         _wait_sent(sender, receiver)
         sender.send(payload)

@@ -74,6 +74,8 @@ class RLTrainer:
                 self.start = self.resumed["from_step"]
         self.last = config.stop_after or config.steps
         self.sender = WeightSender(self.shadow, layout.sync_group) if self.main and layout.n_generators else None
+        #: each generator's numerics settings (threads, batch-invariant attention implementation)
+        self.generator_numerics: dict[int, dict] = {}
 
     def _agree_on_run_dir(self) -> Path:
         """Rank 0 checks the run directory; every trainer rank then uses the same one."""
@@ -203,6 +205,8 @@ class RLTrainer:
                     **{k: v for k, v in payload.items() if k.startswith("generator/") and k not in record},
                 })
                 step_started = now
+                if "numerics" in payload:
+                    self.generator_numerics[payload["generator/rank"]] = payload["numerics"]
                 steps.append(writer.write(record))
                 if self.main:
                     self._print_samples(step, payload["records"], bar)
@@ -250,7 +254,7 @@ class RLTrainer:
             "policy_lag_max": max((r["policy_lag/max"] for r in all_steps), default=None),
             "stale_groups_dropped": sum(r["rollouts/stale_groups_dropped"] for r in all_steps),
         }
-        manifest.update(result=result)
+        manifest.update(result=result, generator_numerics={str(k): v for k, v in self.generator_numerics.items()})
         if numerics.is_batch_invariant() and self.config.workers.max_offpolicy_steps == 0 and diffs:
             manifest.add_check("rl_batch_invariance", max(diffs) == 0.0,
                                logprob_diff_max=max(diffs), steps=len(diffs),

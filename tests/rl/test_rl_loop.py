@@ -143,6 +143,9 @@ def test_processes_on_policy_batch_invariant_logprob_diff_is_zero_every_step(tmp
     assert all(name in records[0] for name in STEP_METRICS)
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     assert manifest["workers"]["generator_ranks"] == [1] and manifest["workers"]["backend"] == "gloo"
+    # trainer and generator use the same batch-invariant attention implementation (C kernel or fallback)
+    assert manifest["generator_numerics"]["1"]["batch_invariant_attention"] == \
+        manifest["numerics"]["batch_invariant_attention"]
     assert "logprob_diff/max over steps: 0" in proc.stdout
 
 
