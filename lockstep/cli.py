@@ -129,15 +129,24 @@ def _subclass_fields(cls: type) -> list[type]:
     return [s for s in cls.__subclasses__() if dataclasses.is_dataclass(s)]
 
 
-def cmd_train(argv: list[str]) -> int:
-    args, _ = _train_parser().parse_known_args(argv)
+def resolve_command(argv: list[str], parser_fn, resolve_fn):
+    """``(config, args, None)`` for a config-driven command, or ``(None, None, 0)`` when it only
+    printed its help (``-h``) or its resolved config (``--print-config``)."""
+    args, _ = parser_fn().parse_known_args(argv)
     if args.help:
-        _train_parser().print_help()
-        return 0
-    config, args = resolve_config(argv)
+        parser_fn().print_help()
+        return None, None, 0
+    config, args = resolve_fn(argv)
     if args.print_config:
         print(json.dumps(to_dict(config), indent=2))
-        return 0
+        return None, None, 0
+    return config, args, None
+
+
+def cmd_train(argv: list[str]) -> int:
+    config, args, code = resolve_command(argv, _train_parser, resolve_config)
+    if code is not None:
+        return code
     from lockstep.parallel.launch import finish, relaunch_with_torchrun, world_size_from_env
 
     if args.nproc > 1 and world_size_from_env() == 1:

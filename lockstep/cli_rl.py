@@ -10,10 +10,9 @@ validated before any work. With ``workers.generators = N >= 1`` (or a data-paral
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from lockstep.config.base import ConfigError, to_dict
+from lockstep.config.base import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -44,14 +43,11 @@ def resolve_rl_config(argv: list[str]):
 
 
 def cmd_rl(argv: list[str]) -> int:
-    args, _ = _parser().parse_known_args(argv)
-    if args.help:
-        _parser().print_help()
-        return 0
-    config, args = resolve_rl_config(argv)
-    if args.print_config:
-        print(json.dumps(to_dict(config), indent=2))
-        return 0
+    from lockstep.cli import resolve_command
+
+    config, _, code = resolve_command(argv, _parser, resolve_rl_config)
+    if code is not None:
+        return code
     from lockstep.parallel.launch import finish, relaunch_with_torchrun, world_size_from_env
 
     if config.world_size > 1 and world_size_from_env() == 1:
