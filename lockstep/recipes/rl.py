@@ -63,7 +63,7 @@ def rl_arith_tiny() -> RLConfig:
         rollout=RolloutConfig(group_size=8, sampling=SamplingParams(max_new_tokens=6, temperature=1.0)),
         engine=EngineConfig(cache_memory_mb=64, max_batch_size=128),
         loss=LossConfig(kind="dapo", clip_high=0.28, filter_zero_variance_groups=True),
-        optimizer=AdamWConfig(lr=2e-4, weight_decay=0.0),
+        optimizer=AdamWConfig(lr=4e-4, weight_decay=0.0),
         sft=SFTConfig(steps=220, batch_size=32, lr=3e-3, response_template=" {answer}"),
         workers=WorkersConfig(generators=1, max_offpolicy_steps=1),
         output=RLOutputConfig(progress=True),
