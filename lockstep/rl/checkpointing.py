@@ -20,13 +20,13 @@ from lockstep.checkpoint.train_state import (
 from lockstep.config.base import ConfigError, to_dict
 from lockstep.rl.config import RLConfig
 from lockstep.rl.learner import Learner
-from lockstep.train.checkpointing import config_changes, has_checkpoint
+from lockstep.train.checkpointing import config_changes
 
 #: config sections a resumed RL run may change without changing what is trained
 RESUMABLE_CHANGES = ("steps", "stop_after", "run_dir", "resume", "checkpoint", "output", "recipe", "workers",
                      "parallel")
 
-__all__ = ["RLCheckpointing", "has_checkpoint", "RESUMABLE_CHANGES"]
+__all__ = ["RLCheckpointing", "RESUMABLE_CHANGES"]
 
 
 class RLCheckpointing:

@@ -67,14 +67,7 @@ class EpisodeRecord:
 
 
 def _pad(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros(len(rows), width, dtype=rows[0].dtype if rows else torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : r.numel()] = r
-    return out
-
-
-def _pad_grad(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    """Right-pad 1-d tensors with zeros to ``[len(rows), width]``, keeping their graph."""
+    """Right-pad 1-d tensors with zeros to ``[len(rows), width]`` (keeping any autograd graph)."""
     return torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in rows])
 
 
@@ -141,7 +134,7 @@ class Learner:
             recs = [records[i] for i in idx]
             scored = self._score(self.model, recs)
             trainer_logp += [s.detach() for s in scored]
-            logp = _pad_grad(scored, width)
+            logp = _pad(scored, width)
             mask = mask_all[idx]
             gen = _pad([gen_logp[i] for i in idx], width)
             ref = None
@@ -168,6 +161,7 @@ class Learner:
         trainer_tokens = [t[m.bool()] for t, m in zip(trainer_logp, resp_mask)]
         pass_threshold = cfg.task.pass_threshold
         lengths = torch.tensor([float(r.generated_tokens) for r in records])
+        trained_tokens = sum(len(r.token_ids) for r in records)
         out = {
             "loss": loss_total, "lr": lr, "grad_norm": grad_norm,
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.flatten().std()) if rewards.numel() > 1 else 0.0,
@@ -178,8 +172,7 @@ class Learner:
             "policy_lag/mean": float(lags.float().mean()), "policy_lag/max": int(lags.max()),
             "rollouts/stale_groups_dropped": int((~fresh_groups).sum()),
             "groups": n_groups, "groups_kept": int(keep.view(n_groups, group_size).any(dim=1).sum()),
-            "trainer/tokens": int(sum(len(r.token_ids) for r in records)),
-            "trainer/tokens_per_s": sum(len(r.token_ids) for r in records) / seconds,
+            "trainer/tokens": trained_tokens, "trainer/tokens_per_s": trained_tokens / seconds,
             "time/training": seconds,
             **{f"loss/{k}": v for k, v in metric_sums.items()},
             **logprob_diff(gen_tokens, trainer_tokens),

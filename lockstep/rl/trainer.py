@@ -22,7 +22,8 @@ from lockstep import numerics
 from lockstep.config.base import ConfigError, to_dict
 from lockstep.generate.engine import Engine
 from lockstep.observe import MetricsWriter, ProgressBar, RunManifest, plot_series, read_metrics
-from lockstep.rl.checkpointing import RLCheckpointing, has_checkpoint
+from lockstep.rl.checkpointing import RLCheckpointing
+from lockstep.train.checkpointing import check_run_dir
 from lockstep.rl.config import RLConfig
 from lockstep.rl.generator import ROLLOUT_TAG, rollout_batch_payload
 from lockstep.rl.layout import RLLayout, full_state, shard_trainer
@@ -93,14 +94,7 @@ class RLTrainer:
         return Path(found[0])
 
     def _check_run_dir(self, run_dir: Path) -> Path:
-        cfg = self.config
-        if cfg.resume:
-            if has_checkpoint(cfg.checkpoint, run_dir) is None:
-                raise ConfigError(f"resume: no complete checkpoint in {cfg.checkpoint.location(run_dir)} "
-                                  "to continue from")
-        elif (run_dir / "metrics.jsonl").exists():
-            raise ConfigError(f"run_dir: {run_dir} already holds a run (metrics.jsonl); choose another, "
-                              "or --resume it")
+        check_run_dir(self.config.checkpoint, run_dir, self.config.resume)
         run_dir.mkdir(parents=True, exist_ok=True)
         return run_dir
 

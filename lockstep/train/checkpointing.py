@@ -22,6 +22,15 @@ def has_checkpoint(config: CheckpointConfig, run_dir: Path) -> int | None:
     return latest_step(storage_from_uri(config.location(run_dir), endpoint_url=config.endpoint_url))
 
 
+def check_run_dir(config: CheckpointConfig, run_dir: Path, resume: bool) -> None:
+    """A resumed run needs a complete checkpoint; a new one needs a directory without a run in it."""
+    if resume:
+        if has_checkpoint(config, run_dir) is None:
+            raise ConfigError(f"resume: no complete checkpoint in {config.location(run_dir)} to continue from")
+    elif (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"run_dir: {run_dir} already holds a run (metrics.jsonl); choose another, or --resume it")
+
+
 def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
     """Dotted paths whose values differ between two config dicts."""
     out = []

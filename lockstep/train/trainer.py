@@ -110,15 +110,9 @@ class Trainer:
             except ValueError as err:
                 raise ConfigError("parallel." + str(err).replace("n_microbatches:", "pp_microbatches:", 1)) from None
         self.run_dir = Path(config.run_dir) if config.run_dir else default_run_dir(config.recipe)
-        if config.resume:
-            from lockstep.train.checkpointing import has_checkpoint
+        from lockstep.train.checkpointing import check_run_dir
 
-            if has_checkpoint(config.checkpoint, self.run_dir) is None:
-                raise ConfigError(f"resume: no complete checkpoint in "
-                                  f"{config.checkpoint.location(self.run_dir)} to continue from")
-        elif (self.run_dir / "metrics.jsonl").exists():
-            raise ConfigError(f"run_dir: {self.run_dir} already holds a run (metrics.jsonl); choose another, "
-                              "or --resume it")
+        check_run_dir(config.checkpoint, self.run_dir, config.resume)
         self._barrier()  # nobody creates the run dir before every rank has checked it was free
         self.run_dir.mkdir(parents=True, exist_ok=True)
         # resolved before the data: a pretrained model's tokenizer lives in its directory
