@@ -121,8 +121,9 @@ def rowwise(fn, x: torch.Tensor, multiple: int = 64) -> torch.Tensor:
 
 
 def thread_settings() -> dict:
-    """What a bitwise promise depends on in this process (recorded in run manifests): the two
-    batch-invariant attention implementations agree with themselves, not with each other."""
+    """What a bitwise promise depends on in this process (recorded in run manifests): the C
+    kernels (attention forward, fp32 linear) and the tiled fallback agree with themselves, not with
+    each other (``batch_invariant_attention`` keeps its name for older manifests; it names both)."""
     out = {"batch_invariant": _BATCH_INVARIANT, "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     if _BATCH_INVARIANT:
         from lockstep.ops import bi_kernel

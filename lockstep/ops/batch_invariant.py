@@ -5,15 +5,16 @@ count (GEMV for one row, other micro-kernels below ~16 rows, other thread splits
 same row gives different bits in a batch of 1, 7 or 64; row reductions (sum, mean, amax, softmax,
 log_softmax, RMSNorm) and elementwise ops do not. Two ways to make a row's bits fixed:
 
-* **A C kernel** for the attention forward (:mod:`lockstep.ops.bi_kernel`, used wherever a C
-  compiler builds it): compiled without fast-math or FMA contraction, so the source order is the
-  arithmetic order; each query row reduces its visible keys in position order, depending on
-  nothing but its own inputs. No padding, tiles or copies, and the thread count does not matter.
+* **C kernels** for the attention forward and the fp32 linear (:mod:`lockstep.ops.bi_kernel`, used
+  wherever a C compiler builds them): compiled without fast-math or FMA contraction, so the source
+  order is the arithmetic order; each query row reduces its visible keys in position order, each
+  linear output is a dot product in a fixed lane order set by K alone, depending on nothing but its
+  own inputs. No padding, tiles or copies, and the thread count does not matter.
 * **Fixed-shape tiles** (everything else): a ``bmm`` whose every entry has the *same* shape gives
   each row the same bits whatever the entry count, the row's place and its neighbours.
   :func:`tiled_matmul`: rows padded to a multiple of ``row_tile(dtype)`` (16 in fp32, 128 in
-  bf16, where oneDNN is slow below that; bf16 runs one ``mm`` per tile) - every linear and
-  MLA's :func:`head_matmul`.
+  bf16, where oneDNN is slow below that; bf16 runs one ``mm`` per tile) - bf16 linears, fp32
+  linears without the C kernels, and MLA's :func:`head_matmul`.
   :func:`tiled_attention_forward` (the attention fallback): keys in fixed chunks of ``KV_CHUNK``
   positions, query rows in tiles of ``ATTN_ROW_TILE``, one bmm entry per (tile, chunk), the max
   over every visible key, chunk partials summed in chunk order.
@@ -67,9 +68,12 @@ def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int | None = None) -> t
 
 
 def _weight_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ weight [N, K].T`` in fixed row tiles (a C kernel reading the weight in place
-    was tried: fast only with a cached transposed weight, and such a cache goes stale when weights
-    are written by collectives or FSDP's all-gather, which move no version counter)."""
+    """``x [M, K] @ weight [N, K].T``: in fp32 on CPU the C kernel (fixed-order dot products of
+    rows read in place: no padding, and no cached weight copy to go stale when collectives or
+    FSDP's all-gather write the weight), otherwise fixed row tiles."""
+    if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.device.type == "cpu"
+            and bi_kernel.available()):
+        return bi_kernel.linear(x, weight)
     return tiled_matmul(x, weight.t())
 
 

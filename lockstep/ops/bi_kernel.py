@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-_SOURCES = [Path(__file__).parent / "csrc" / "bi_attention.c"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bi_attention.c", "bi_linear.c")]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",
           "-fopenmp", "-fPIC", "-shared"]
 #: key positions and value columns are padded to these (the kernel's lane blocks)
@@ -75,6 +75,8 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.bi_attention_forward.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float, i64]
     lib.bi_attention_forward.restype = None
+    lib.bi_linear.argtypes = [ptr] * 3 + [i64] * 3
+    lib.bi_linear.restype = None
     return lib
 
 
@@ -117,3 +119,15 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
                              bsz, kv_heads, rows, t, d, s, s_pad, dv, dv_pad, scale, 4 if rows >= 4 else 1)
     out = out.view(bsz, heads, t, dv).to(q.dtype)
     return (out, lse) if with_lse else out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x [M, K] @ weight [N, K].T -> [M, N]``, each output a fixed-order dot product of
+    ``x``'s row and ``weight``'s row read in place (``csrc/bi_linear.c``): no copy of the weight,
+    so nothing can go stale when weights are written in place by collectives."""
+    lib = _library()
+    assert lib is not None, "bi_kernel.linear called without the C kernels"
+    x, weight = x.detach().contiguous(), weight.detach().contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
+    lib.bi_linear(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[0], x.shape[1])
+    return out

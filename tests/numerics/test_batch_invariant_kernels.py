@@ -31,11 +31,12 @@ def test_the_c_kernels_build_where_there_is_a_compiler():
 @pytest.mark.parametrize("impl", IMPLS, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(rows=st.lists(st.integers(0, 99), min_size=1, max_size=70))
-def test_linear_row_does_not_depend_on_the_batch(impl, dtype, rows):
+@given(rows=st.lists(st.integers(0, 99), min_size=1, max_size=70), width=st.sampled_from([192, 37]))
+def test_linear_row_does_not_depend_on_the_batch(impl, dtype, rows, width):
+    """``width`` 37: the C kernel's tail lanes (K not a multiple of 16) and a ragged last weight block."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(100, 192, generator=g).to(dtype)
-    w = torch.randn(320, 192, generator=g).to(dtype)
+    x = torch.randn(100, width, generator=g).to(dtype)
+    w = torch.randn(322, width, generator=g).to(dtype)
     reference = linear(x, w)
     assert torch.equal(linear(x[rows], w), reference[rows])
 
@@ -68,8 +69,8 @@ def test_linear_matches_f_linear_and_its_gradients():
     b = torch.randn(48, generator=g, requires_grad=True)
     ours = linear(x, w, b)
     theirs = torch.nn.functional.linear(x, w, b)
-    # fp32 sums of 64 products in another order: a few ulps of values of size ~8
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    # fp32 sums of 64 products in another order: a few ulps of outputs up to ~30 (ulp 2e-6 there)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-5)
     grads = torch.autograd.grad(ours.square().sum(), (x, w, b))
     expected = torch.autograd.grad(theirs.square().sum(), (x, w, b))
     for got, want in zip(grads, expected):
