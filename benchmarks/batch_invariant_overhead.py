@@ -7,7 +7,7 @@ One model (the recipe's, fp32 weights; the trainer side uses the recipe's autoca
 in alternating order (off, on, on, off, ...) so host-load drift hits both modes alike. Trainer: a
 full step (forward, fp32 cross-entropy, backward, AdamW) on the recipe's batch. Generator: the
 engine generating ``--new-tokens`` tokens for 16 prompts of mixed lengths (greedy, ignore EOS), and
-for one prompt. Prints medians with [min, max] and the on/off ratios (target <= 1.5x), by wall
+for one prompt, on the fp32 weights and on a bf16 copy (``EngineConfig.weights_dtype``). Prints medians with [min, max] and the on/off ratios (target <= 1.5x), by wall
 time and by process CPU time (with ``--threads 1`` the CPU time excludes the time the process waits
 for a core, so it is the steadier measure on a shared host), and the load average.
 """
@@ -52,8 +52,9 @@ def train_step_seconds(model, optimizer, tokens, targets, dtype) -> tuple[float,
     return clock.wall, clock.cpu
 
 
-def generate_tokens_per_s(model, prompts, new_tokens: int) -> tuple[float, float]:
-    engine = Engine(model, None, EngineConfig(cache_memory_mb=256, max_batch_size=len(prompts)))
+def generate_tokens_per_s(model, prompts, new_tokens: int, weights_dtype: str = "model") -> tuple[float, float]:
+    engine = Engine(model, None, EngineConfig(cache_memory_mb=256, max_batch_size=len(prompts),
+                                              weights_dtype=weights_dtype))
     requests = [Request(prompt_ids=p, sampling=SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
                 for p in prompts]
     with Clock() as clock:
@@ -85,7 +86,7 @@ def main() -> None:
                for n in torch.randint(8, 96, (16,), generator=g)]
     print(f"recipe {args.recipe}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"train batch {batch}x{seq} ({cfg.training.dtype}), generate 16 + 1 prompts x {args.new_tokens} "
-          f"tokens (fp32), {args.threads} threads")
+          f"tokens (fp32 and bf16 weights), {args.threads} threads")
     results: dict[tuple[str, str, bool], list[float]] = {}
 
     def record(name: str, mode: bool, values: tuple[float, float]) -> None:
@@ -105,13 +106,17 @@ def main() -> None:
             with torch.no_grad():
                 record("gen16_tok_s", mode, generate_tokens_per_s(model, prompts, args.new_tokens))
                 record("gen1_tok_s", mode, generate_tokens_per_s(model, prompts[:1], args.new_tokens))
+                record("gen16_bf16_tok_s", mode, generate_tokens_per_s(model, prompts, args.new_tokens, "bfloat16"))
+                record("gen1_bf16_tok_s", mode, generate_tokens_per_s(model, prompts[:1], args.new_tokens, "bfloat16"))
     load_after = os.getloadavg()
     for clock in ("wall", "cpu"):
         print(f"\nby {clock} time: median [min, max] of {2 * args.rounds} runs per mode")
         print(f"{'measure':<24}{'off':>28}{'on':>28}{'slowdown':>10}")
         for name, label, slower in [("train_s", "trainer step (s)", lambda off, on: on / off),
                                     ("gen16_tok_s", "generate b=16 (tok/s)", lambda off, on: off / on),
-                                    ("gen1_tok_s", "generate b=1 (tok/s)", lambda off, on: off / on)]:
+                                    ("gen1_tok_s", "generate b=1 (tok/s)", lambda off, on: off / on),
+                                    ("gen16_bf16_tok_s", "gen bf16 b=16 (tok/s)", lambda off, on: off / on),
+                                    ("gen1_bf16_tok_s", "gen bf16 b=1 (tok/s)", lambda off, on: off / on)]:
             cells = []
             for mode in (False, True):
                 values = results[(clock, name, mode)]
