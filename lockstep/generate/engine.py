@@ -14,7 +14,8 @@ Only the last position of each sequence goes through the output head. ``compile_
 decode forward in ``torch.compile`` as one graph, the cache's writes and attention included; the
 batch is then padded to a power of two (at most ``max_batch_size``) and each context to a power of
 two blocks (null-block padding, masked), so each (batch, context) bucket compiles once.
-``EngineConfig.weights_dtype`` runs a cast copy of the weights (:mod:`lockstep.generate.weights`).
+``EngineConfig.weights_dtype`` runs a cast copy of the weights (:mod:`lockstep.generate.weights`);
+``EngineConfig.pack_weights`` runs bf16 linears on prepacked weights (:mod:`lockstep.generate.packed`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
+from lockstep.generate.packed import available as packed_available
+from lockstep.generate.packed import pack_linears
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
 from lockstep.generate.sampling import request_generator, sample_next
 from lockstep.generate.scheduler import Scheduler, Sequence
@@ -77,6 +80,10 @@ class Engine:
         self.runner = runner = self._shadow.model if self._shadow is not None else model
         weight = runner.tok_embeddings.weight
         self.device, self.dtype = weight.device, weight.dtype
+        #: linears on prepacked weights (EngineConfig.pack_weights; bf16 on CPU only)
+        self._packed = (pack_linears(runner, config.max_batch_size)
+                        if config.pack_weights and self.dtype == torch.bfloat16 and self.device.type == "cpu"
+                        and packed_available() else [])
         self.vocab_size, self.max_seq_len = model.config.vocab_size, model.config.max_seq_len
         self.eos_id = tokenizer_eos_id(tokenizer) if tokenizer is not None else None
         self._modules = list(runner.modules())
@@ -183,10 +190,13 @@ class Engine:
             return self._step()
 
     def sync_weights(self) -> None:
-        """Re-read every weight of the model into the engine's cast copy (``weights_dtype``). Steps
-        already pick up in-place writes; this is only needed after parameters were *replaced*."""
+        """Re-read every weight of the model into the engine's cast copy (``weights_dtype``) and repack
+        packed weights (``pack_weights``). Steps already pick up in-place writes; this is only needed
+        after parameters were replaced, or written by something that moves no version counter."""
         if self._shadow is not None:
             self._shadow.resync()
+        for layer in self._packed:
+            layer.drop_packed()
 
     def _prepare(self) -> None:
         """Before a step: sync cast weights, and make the kernels follow the batch-invariant switch as

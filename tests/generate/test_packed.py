@@ -1,0 +1,108 @@
+"""``EngineConfig.pack_weights``: bf16 linears on oneDNN-prepacked weights.
+
+What must hold: a packed layer gives exactly ``F.linear``'s bits (measured on this CPU for decode and
+prefill row counts; the docstring of lockstep.generate.packed claims it), so an engine with packing
+generates the very tokens and logprobs of one without; the packed copy follows in-place writes and
+replaced parameters; the layer is an ordinary linear under autograd, in batch-invariant mode and in
+fp32; the state dict does not change; the compiled decode step traces the packed op.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockstep import numerics
+from lockstep.generate import Request, SamplingParams
+from lockstep.generate.packed import PackedLinear, available, pack_linears
+
+from .conftest import FAMILIES, engine_for, prompts, tiny_model
+
+pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no oneDNN")
+
+
+def _layer(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    pack_linears(layer, batch_hint=16)
+    assert isinstance(layer, PackedLinear)
+    return layer
+
+
+@pytest.mark.parametrize("k,n", [(64, 96), (576, 1536), (1536, 576), (48, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_bitwise_f_linear(k, n, bias):
+    layer = _layer(k, n, bias)
+    with torch.no_grad():
+        for rows in (1, 3, 16, 17, 100):
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias)), rows
+        x3 = torch.randn(2, 5, k).to(torch.bfloat16)  # leading dims and a non-contiguous input
+        assert torch.equal(layer(x3), F.linear(x3, layer.weight, layer.bias))
+        xt = torch.randn(k, 7).to(torch.bfloat16).t()
+        assert torch.equal(layer(xt), F.linear(xt, layer.weight, layer.bias))
+
+
+def test_packed_copy_follows_writes_and_replacements():
+    layer = _layer(64, 32, bias=True)
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        first = layer(x)
+        layer.weight.mul_(-1)  # in place: the version counter moves
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert not torch.equal(layer(x), first)
+        layer.weight = nn.Parameter(torch.randn(32, 64).to(torch.bfloat16))  # replaced: a new storage
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_autograd_fp32_and_batch_invariant_use_the_ordinary_linear():
+    layer = _layer(64, 32, bias=False)
+    x = torch.randn(4, 64).to(torch.bfloat16).requires_grad_()
+    layer(x).float().square().sum().backward()  # the packed op has no backward: this must not use it
+    assert x.grad is not None and layer.weight.grad is not None
+    assert layer._packed is None  # never packed: no no-grad bf16 call yet
+    with torch.no_grad(), numerics.batch_invariant():
+        from lockstep.ops.batch_invariant import linear
+
+        xb = x.detach()
+        assert torch.equal(layer(xb), linear(xb, layer.weight))
+    assert layer._packed is None
+    assert set(layer.state_dict()) == {"weight"}
+    fp32 = _layer(64, 32, bias=False).float()
+    xf = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.equal(fp32(xf), F.linear(xf, fp32.weight))
+    assert fp32._packed is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_engine_with_packed_weights_generates_what_it_generates_without(family):
+    model = tiny_model(family).to(torch.bfloat16)
+    reqs = [Request(prompt_ids=p, sampling=SamplingParams(max_new_tokens=6, temperature=0.7, seed=i))
+            for i, p in enumerate(prompts([3, 9, 5]))]
+    plain = engine_for(model, max_batch_size=4, pack_weights=False).generate(reqs)
+    keys = set(model.state_dict())
+    engine = engine_for(model, max_batch_size=4)
+    packed = [m for m in engine.runner.modules() if isinstance(m, PackedLinear)]
+    assert packed and set(model.state_dict()) == keys
+    results = engine.generate(reqs)
+    used = [m._packed is not None for m in packed]
+    # every linear of a dense model runs packed; MoE routers compute their scores in fp32 themselves
+    assert all(used) if family in ("llama3", "qwen3") else any(used)
+    assert [(r.token_ids, r.logprobs) for r in results] == [(r.token_ids, r.logprobs) for r in plain]
+
+
+def test_packed_engine_follows_weight_updates_and_compiles():
+    model = tiny_model("llama3")
+    reqs = [Request(prompt_ids=p, sampling=SamplingParams(max_new_tokens=5, temperature=0)) for p in prompts([4, 6])]
+    eager = engine_for(model, max_batch_size=2, weights_dtype="bfloat16", pack_weights=False)
+    packed = engine_for(model, max_batch_size=2, weights_dtype="bfloat16", compile_decode="aot_eager")
+    assert [r.token_ids for r in packed.generate(reqs)] == [r.token_ids for r in eager.generate(reqs)]
+    with torch.no_grad():  # an RL-style in-place update of the fp32 source
+        model.layers["0"].feed_forward.w2.weight.mul_(-2.0)
+    after, again = eager.generate(reqs), packed.generate(reqs)
+    assert [r.token_ids for r in again] == [r.token_ids for r in after]
+    torch.testing.assert_close(torch.tensor([r.logprobs for r in again]), torch.tensor([r.logprobs for r in after]),
+                               rtol=0, atol=0.05)  # bf16 logprobs; the compiled step pads the context
