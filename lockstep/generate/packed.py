@@ -21,10 +21,12 @@ is the ordinary linear.
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
 from torch import nn
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from lockstep import numerics
 
@@ -94,6 +96,71 @@ def _packed_product(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
         flat = flat.contiguous()
     out = torch.ops.mkldnn._linear_pointwise(flat, layer.packed_weight(), layer.bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_LIB.define("packed_linear_cat(Tensor x, int[] handles) -> Tensor")
+#: handles -> (packed concatenated weight, concatenated bias or None, the (version, pointer) of each part)
+_GROUPS: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None, list[tuple[int, int]]]] = {}
+
+
+def packed_linear_cat(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
+    """``cat([layer(x) for layer in handles], -1)`` as one product on one packed weight (the layers
+    share their input: q/k/v, gate/up); the group's packing follows writes to any part."""
+    layers = [_LAYERS[h]() for h in handles]
+    key = tuple(handles)
+    parts = [(layer.weight._version, layer.weight.data_ptr()) for layer in layers]
+    group = _GROUPS.get(key)
+    if group is None or group[2] != parts:
+        weight = torch.cat([layer.weight.detach() for layer in layers])
+        bias = None
+        if any(layer.bias is not None for layer in layers):
+            bias = torch.cat([layer.bias.detach() if layer.bias is not None else
+                              layer.weight.new_zeros(layer.out_features) for layer in layers])
+        group = _GROUPS[key] = (torch.ops.mkldnn._reorder_linear_weight(weight, layers[0]._pack_hint), bias, parts)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(flat, group[0], group[1], "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_LIB.impl("packed_linear_cat", packed_linear_cat, "CPU")
+
+
+@torch.library.register_fake("lockstep::packed_linear_cat")
+def _(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], sum(_LAYERS[h]().out_features for h in handles))
+
+
+class GroupSiblingLinears(CustomGraphPass):
+    """Inductor pass for the compiled decode step: packed linears that read the same input (q/k/v,
+    gate/up) become one ``packed_linear_cat`` and a split - fewer, wider products (each call has a
+    fixed cost, and a wider one streams its weight better)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        single = torch.ops.lockstep.packed_linear.default
+        by_input: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target is single:
+                by_input.setdefault(node.args[0], []).append(node)
+        for x, nodes in by_input.items():
+            if len(nodes) < 2:
+                continue
+            handles = [n.args[1] for n in nodes]
+            sizes = [_LAYERS[h]().out_features for h in handles]
+            with graph.inserting_before(nodes[0]):  # the first reader: every use of the group comes later
+                cat = graph.call_function(torch.ops.lockstep.packed_linear_cat.default, (x, handles))
+            with graph.inserting_after(cat):
+                split = graph.call_function(torch.ops.aten.split_with_sizes.default, (cat, sizes, -1))
+            anchor = split
+            for i, node in enumerate(nodes):
+                with graph.inserting_after(anchor):
+                    anchor = graph.call_function(operator.getitem, (split, i))
+                node.replace_all_uses_with(anchor)
+            for node in nodes:
+                graph.erase_node(node)
+        graph.lint()
+
+    def uuid(self) -> str:
+        return get_hash_for_files((__file__,))
 
 
 def pack_linears(model: nn.Module, batch_hint: int) -> list[PackedLinear]:

@@ -106,3 +106,36 @@ def test_packed_engine_follows_weight_updates_and_compiles():
     assert [r.token_ids for r in again] == [r.token_ids for r in after]
     torch.testing.assert_close(torch.tensor([r.logprobs for r in again]), torch.tensor([r.logprobs for r in after]),
                                rtol=0, atol=0.05)  # bf16 logprobs; the compiled step pads the context
+
+
+def test_sibling_grouping_pass_fuses_linears_that_share_an_input():
+    """The Inductor pass the compiled step uses, on a traced graph: q/k/v-like siblings become one
+    concatenated product and a split, with the same values (one wider oneDNN product: bitwise here)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from lockstep.generate.packed import GroupSiblingLinears
+
+    torch.manual_seed(0)
+    q, k, v, other = (_layer(64, n, bias=b) for n, b in ((64, False), (32, True), (32, False), (48, False)))
+
+    def op(layer, t):  # what the compiled step traces for each packed layer
+        return torch.ops.lockstep.packed_linear(t, layer._pack_handle)
+
+    def block(x, y):
+        return op(q, x) * 2, op(k, x) + op(v, x), op(other, y)  # `other` reads another input: left alone
+
+    x, y = torch.randn(3, 64).to(torch.bfloat16), torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        expected = block(x, y)
+        gm = make_fx(block)(x, y)
+        targets = lambda: [n.target for n in gm.graph.nodes if n.op == "call_function"]  # noqa: E731
+        assert targets().count(torch.ops.lockstep.packed_linear.default) == 4
+        GroupSiblingLinears()(gm.graph)
+        gm.recompile()
+        assert targets().count(torch.ops.lockstep.packed_linear.default) == 1
+        assert targets().count(torch.ops.lockstep.packed_linear_cat.default) == 1
+        got = gm(x, y)
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+        k.weight.mul_(0.5)  # a write to one part repacks the group
+        assert torch.equal(gm(x, y)[1], k(x) + v(x))
