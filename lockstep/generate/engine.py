@@ -98,7 +98,7 @@ class Engine:
         self.cache = PagedKVCache(layouts, num_blocks, config.block_size, self.dtype, self.device)
         self.scheduler = Scheduler(self.cache.allocator, config.block_size, config.max_batch_size,
                                    config.max_prefill_tokens)
-        #: optional hook, called as ``on_logits(seq_ids, logits [B, V])`` for every sampled row (tests, debugging)
+        #: optional hook, called as ``on_logits(seq_ids, logits [B, V] fp32)`` for every sampled row (tests, debugging)
         self.on_logits: Callable[[list[int], torch.Tensor], None] | None = None
         self._next_id = 0
         self._decode_forward = self._forward_last
@@ -267,9 +267,10 @@ class Engine:
     # ----------------------------------------------------------------- forwards
 
     def _forward_last(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V] of the last column of ``tokens`` (decode: the only one)."""
+        """fp32 logits [B, V] of the last column of ``tokens`` (decode: the only one); the cast is
+        here so that a compiled step fuses it (sampling reads fp32 logits either way)."""
         h = self.runner.trunk(tokens, positions, cache=self.cache)[2]
-        return self.runner.output(h[:, -1])
+        return self.runner.output(h[:, -1]).float()
 
     def _prefill(self, seqs: list[Sequence]) -> list[StreamEvent]:
         lengths = torch.tensor([len(s.prompt_ids) for s in seqs])
@@ -283,7 +284,7 @@ class Engine:
         self._set_step(tables, positions, valid)
         h = self.runner.trunk(tokens.to(self.device), positions.to(self.device), cache=self.cache)[2]
         last = h[torch.arange(b, device=self.device), (lengths - 1).to(self.device)]
-        return self._sample(seqs, self.runner.output(last))
+        return self._sample(seqs, self.runner.output(last).float())
 
     def _decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
         b = len(seqs)
