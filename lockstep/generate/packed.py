@@ -48,6 +48,7 @@ class PackedLinear(numerics.SwitchableLinear):
     _pack_hint: int
     _packed: torch.Tensor | None
     _packed_from: tuple[int, int] | None
+    _packed_groups: dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -69,6 +70,7 @@ class PackedLinear(numerics.SwitchableLinear):
 
     def drop_packed(self) -> None:
         self._packed, self._packed_from = None, None
+        self._packed_groups.clear()
 
 
 # a plain schema + CPU kernel: the dispatcher calls it with ~1 us of overhead (torch.library.custom_op
@@ -99,8 +101,6 @@ def _packed_product(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
 
 
 _LIB.define("packed_linear_cat(Tensor x, int[] handles) -> Tensor")
-#: handles -> (packed concatenated weight, concatenated bias or None, the (version, pointer) of each part)
-_GROUPS: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor | None, list[tuple[int, int]]]] = {}
 
 
 def packed_linear_cat(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
@@ -109,14 +109,17 @@ def packed_linear_cat(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
     layers = [_LAYERS[h]() for h in handles]
     key = tuple(handles)
     parts = [(layer.weight._version, layer.weight.data_ptr()) for layer in layers]
-    group = _GROUPS.get(key)
+    # kept on the group's first layer (freed with it): handles -> (packed concatenated weight,
+    # concatenated bias or None, the (version, pointer) of each part when packed)
+    groups = layers[0]._packed_groups
+    group = groups.get(key)
     if group is None or group[2] != parts:
         weight = torch.cat([layer.weight.detach() for layer in layers])
         bias = None
         if any(layer.bias is not None for layer in layers):
             bias = torch.cat([layer.bias.detach() if layer.bias is not None else
                               layer.weight.new_zeros(layer.out_features) for layer in layers])
-        group = _GROUPS[key] = (torch.ops.mkldnn._reorder_linear_weight(weight, layers[0]._pack_hint), bias, parts)
+        group = groups[key] = (torch.ops.mkldnn._reorder_linear_weight(weight, layers[0]._pack_hint), bias, parts)
     flat = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.ops.mkldnn._linear_pointwise(flat, group[0], group[1], "none", [], "")
     return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -171,7 +174,7 @@ def pack_linears(model: nn.Module, batch_hint: int) -> list[PackedLinear]:
         if type(module) in (nn.Linear, numerics.SwitchableLinear):
             module.__class__ = PackedLinear
             module._pack_handle, module._pack_hint = len(_LAYERS), batch_hint
-            module._packed, module._packed_from = None, None
+            module._packed, module._packed_from, module._packed_groups = None, None, {}
             _LAYERS.append(weakref.ref(module))
         if isinstance(module, PackedLinear):
             layers.append(module)
