@@ -33,7 +33,7 @@ from lockstep.config.base import ConfigError
 from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.packed import available as packed_available
-from lockstep.generate.packed import GroupSiblingLinears, pack_linears
+from lockstep.generate.packed import pack_linears, sibling_grouping_pass
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
 from lockstep.generate.sampling import request_generator, sample_next
 from lockstep.generate.scheduler import Scheduler, Sequence
@@ -108,7 +108,7 @@ class Engine:
             backend = "aot_eager" if config.compile_decode == "aot_eager" else "inductor"
             options = {"freezing": True} if config.compile_decode == "inductor-frozen" else {}
             if self._packed and backend == "inductor":
-                options["post_grad_custom_post_pass"] = GroupSiblingLinears()
+                options["post_grad_custom_post_pass"] = sibling_grouping_pass()
             # one graph per (batch, context) bucket: up to log2(max_batch) x log2(max blocks), above dynamo's 8
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._decode_forward = torch.compile(self._forward_last, backend=backend, dynamic=False,

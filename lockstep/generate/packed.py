@@ -21,12 +21,12 @@ is the ordinary linear.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 
 import torch
 from torch import nn
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from lockstep import numerics
 
@@ -133,37 +133,48 @@ def _(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], sum(_LAYERS[h]().out_features for h in handles))
 
 
-class GroupSiblingLinears(CustomGraphPass):
-    """Inductor pass for the compiled decode step: packed linears that read the same input (q/k/v,
-    gate/up) become one ``packed_linear_cat`` and a split - fewer, wider products (each call has a
-    fixed cost, and a wider one streams its weight better)."""
+def group_siblings(graph: torch.fx.Graph) -> None:
+    """Packed linears that read the same input (q/k/v, gate/up) become one ``packed_linear_cat``
+    and a split: fewer, wider products (each call has a fixed cost, and a wider one streams its
+    weight better). Run by Inductor on the compiled decode step (:func:`sibling_grouping_pass`)."""
+    single = torch.ops.lockstep.packed_linear.default
+    by_input: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is single:
+            by_input.setdefault(node.args[0], []).append(node)
+    for x, nodes in by_input.items():
+        if len(nodes) < 2:
+            continue
+        handles = [n.args[1] for n in nodes]
+        sizes = [_LAYERS[h]().out_features for h in handles]
+        with graph.inserting_before(nodes[0]):  # the first reader: every use of the group comes later
+            cat = graph.call_function(torch.ops.lockstep.packed_linear_cat.default, (x, handles))
+        with graph.inserting_after(cat):
+            split = graph.call_function(torch.ops.aten.split_with_sizes.default, (cat, sizes, -1))
+        anchor = split
+        for i, node in enumerate(nodes):
+            with graph.inserting_after(anchor):
+                anchor = graph.call_function(operator.getitem, (split, i))
+            node.replace_all_uses_with(anchor)
+        for node in nodes:
+            graph.erase_node(node)
+    graph.lint()
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        single = torch.ops.lockstep.packed_linear.default
-        by_input: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-        for node in graph.nodes:
-            if node.op == "call_function" and node.target is single:
-                by_input.setdefault(node.args[0], []).append(node)
-        for x, nodes in by_input.items():
-            if len(nodes) < 2:
-                continue
-            handles = [n.args[1] for n in nodes]
-            sizes = [_LAYERS[h]().out_features for h in handles]
-            with graph.inserting_before(nodes[0]):  # the first reader: every use of the group comes later
-                cat = graph.call_function(torch.ops.lockstep.packed_linear_cat.default, (x, handles))
-            with graph.inserting_after(cat):
-                split = graph.call_function(torch.ops.aten.split_with_sizes.default, (cat, sizes, -1))
-            anchor = split
-            for i, node in enumerate(nodes):
-                with graph.inserting_after(anchor):
-                    anchor = graph.call_function(operator.getitem, (split, i))
-                node.replace_all_uses_with(anchor)
-            for node in nodes:
-                graph.erase_node(node)
-        graph.lint()
 
-    def uuid(self) -> str:
-        return get_hash_for_files((__file__,))
+@functools.cache
+def sibling_grouping_pass():
+    """:func:`group_siblings` as an Inductor post-grad pass (built on first use: importing Inductor
+    costs ~1.3 s, which a process that never compiles should not pay)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    class GroupSiblingLinears(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            group_siblings(graph)
+
+        def uuid(self) -> str:
+            return get_hash_for_files((__file__,))
+
+    return GroupSiblingLinears()
 
 
 def pack_linears(model: nn.Module, batch_hint: int) -> list[PackedLinear]:

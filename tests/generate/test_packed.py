@@ -113,7 +113,7 @@ def test_sibling_grouping_pass_fuses_linears_that_share_an_input():
     concatenated product and a split, with the same values (one wider oneDNN product: bitwise here)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from lockstep.generate.packed import GroupSiblingLinears
+    from lockstep.generate.packed import sibling_grouping_pass
 
     torch.manual_seed(0)
     q, k, v, other = (_layer(64, n, bias=b) for n, b in ((64, False), (32, True), (32, False), (48, False)))
@@ -130,7 +130,7 @@ def test_sibling_grouping_pass_fuses_linears_that_share_an_input():
         gm = make_fx(block)(x, y)
         targets = lambda: [n.target for n in gm.graph.nodes if n.op == "call_function"]  # noqa: E731
         assert targets().count(torch.ops.lockstep.packed_linear.default) == 4
-        GroupSiblingLinears()(gm.graph)
+        sibling_grouping_pass()(gm.graph)  # what Inductor calls
         gm.recompile()
         assert targets().count(torch.ops.lockstep.packed_linear.default) == 1
         assert targets().count(torch.ops.lockstep.packed_linear_cat.default) == 1
