@@ -39,6 +39,17 @@ def available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+def packable(model: nn.Module) -> bool:
+    """Whether the engine may pack ``model``'s linears: not when its parameters are sharded
+    DTensors (FSDP2 re-gathers weights into the same storage each forward without moving a
+    version counter, so a packed copy could not tell it was stale)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch build without distributed
+        return True
+    return not any(isinstance(p, DTensor) for p in model.parameters())
+
+
 class PackedLinear(numerics.SwitchableLinear):
     """A linear whose no-grad bf16 CPU forward runs on a prepacked copy of its weight (module docstring).
 

@@ -139,3 +139,23 @@ def test_sibling_grouping_pass_fuses_linears_that_share_an_input():
             assert torch.equal(a, b)
         k.weight.mul_(0.5)  # a write to one part repacks the group
         assert torch.equal(gm(x, y)[1], k(x) + v(x))
+
+
+def test_fsdp_sharded_models_are_not_packed(tmp_path):
+    """FSDP2 re-gathers weights into one storage without moving version counters: no packing there."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lockstep.generate.packed import packable
+
+    model = tiny_model("llama3").to(torch.bfloat16)
+    assert packable(model)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        assert not packable(model)
+        engine = engine_for(model, max_batch_size=2)
+        assert not any(isinstance(m, PackedLinear) for m in model.modules()) and not engine._packed
+    finally:
+        dist.destroy_process_group()
