@@ -32,7 +32,6 @@ from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
-from lockstep.generate.packed import available as packed_available
 from lockstep.generate.packed import pack_linears, packable, sibling_grouping_pass
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
 from lockstep.generate.sampling import request_generator, sample_next
@@ -83,7 +82,7 @@ class Engine:
         #: linears on prepacked weights (EngineConfig.pack_weights; bf16 on CPU only)
         self._packed = (pack_linears(runner, config.max_batch_size)
                         if config.pack_weights and self.dtype == torch.bfloat16 and self.device.type == "cpu"
-                        and packed_available() and packable(runner) else [])
+                        and packable(runner) else [])
         self.vocab_size, self.max_seq_len = model.config.vocab_size, model.config.max_seq_len
         self.eos_id = tokenizer_eos_id(tokenizer) if tokenizer is not None else None
         self._modules = list(runner.modules())

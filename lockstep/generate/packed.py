@@ -8,12 +8,13 @@ prepacking Inductor's freezing uses) and runs ``torch.ops.mkldnn._linear_pointwi
 faster per linear at 1-64 rows here, and bitwise equal to ``F.linear`` on this CPU (the same oneDNN
 kernels; checked in ``tests/generate/test_packed.py``).
 
-The packed copy follows the weight: every call compares the weight's version counter and storage
-(bumped by optimizer steps, ``copy_``, ``load_state_dict``, the RL weight sync) with those it was
-packed from and repacks when they moved. A write that moves no version counter (a collective
+The packed copy follows the weight: every call compares the version counters and storages of the
+weight and bias (bumped by optimizer steps, ``copy_``, ``load_state_dict``, the RL weight sync) with
+those it was packed from and repacks when they moved; one layer and a sibling group (below) use the
+same cache. A write that moves no version counter (a collective
 writing straight into the storage) is not seen: ``Engine.sync_weights()`` repacks everything.
 
-The packed product is an opaque custom op (``lockstep::packed_linear``), so ``compile_decode``
+The packed product is a registered op (``lockstep::packed_linear``), so ``compile_decode``
 traces it as one call and the weights need not be graph constants (unlike Inductor's freezing).
 Outside the engine's no-grad decode (autograd, batch-invariant mode, fp32, other devices) the layer
 is the ordinary linear.
@@ -40,9 +41,11 @@ def available() -> bool:
 
 
 def packable(model: nn.Module) -> bool:
-    """Whether the engine may pack ``model``'s linears: not when its parameters are sharded
-    DTensors (FSDP2 re-gathers weights into the same storage each forward without moving a
-    version counter, so a packed copy could not tell it was stale)."""
+    """Whether the engine may pack ``model``'s linears: this torch build has the op, and the
+    parameters are not sharded DTensors (FSDP2 re-gathers weights into the same storage each forward
+    without moving a version counter, so a packed copy could not tell it was stale)."""
+    if not available():
+        return False
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch build without distributed
@@ -57,9 +60,8 @@ class PackedLinear(numerics.SwitchableLinear):
 
     _pack_handle: int
     _pack_hint: int
-    _packed: torch.Tensor | None
-    _packed_from: tuple[int, int] | None
-    _packed_groups: dict
+    #: packs this layer leads: handles (its own, or a sibling group's) -> (packed weight, bias, stamps)
+    _packs: dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -68,75 +70,69 @@ class PackedLinear(numerics.SwitchableLinear):
             return super().forward(x)
         if torch.compiler.is_compiling():
             return torch.ops.lockstep.packed_linear(x, self._pack_handle)
-        return _packed_product(self, x)  # eager: skip the dispatcher round trip (211 calls a step)
+        return _packed_product([self], x)  # eager: skip the dispatcher round trip (211 calls a step)
 
-    def packed_weight(self) -> torch.Tensor:
-        """The packed weight, repacked first if the weight was written or replaced since."""
-        w = self.weight
-        key = (w._version, w.data_ptr())
-        if self._packed is None or self._packed_from != key:
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), self._pack_hint)
-            self._packed_from = key
-        return self._packed
+    @property
+    def is_packed(self) -> bool:
+        return bool(self._packs)
 
     def drop_packed(self) -> None:
-        self._packed, self._packed_from = None, None
-        self._packed_groups.clear()
+        self._packs.clear()
 
 
-# a plain schema + CPU kernel: the dispatcher calls it with ~1 us of overhead (torch.library.custom_op
+def _stamp(layer: PackedLinear) -> tuple:
+    """What moves when the layer's weight or bias is written in place or replaced."""
+    w, b = layer.weight, layer.bias
+    return (w._version, w.data_ptr()) + ((b._version, b.data_ptr()) if b is not None else ())
+
+
+def _packed_product(layers: list[PackedLinear], x: torch.Tensor) -> torch.Tensor:
+    """``cat([layer(x) for layer in layers], -1)`` as one product on the layers' packed concatenated
+    weight, kept on the first layer (freed with it) and packed again when any part's weight or bias
+    was written or replaced since."""
+    packs = layers[0]._packs
+    key = tuple(layer._pack_handle for layer in layers)
+    stamps = [_stamp(layer) for layer in layers]
+    entry = packs.get(key)
+    if entry is None or entry[2] != stamps:
+        weight = torch.cat([layer.weight.detach() for layer in layers]) if len(layers) > 1 else layers[0].weight.detach()
+        bias = None
+        if any(layer.bias is not None for layer in layers):
+            bias = torch.cat([layer.bias.detach() if layer.bias is not None else
+                              layer.weight.new_zeros(layer.out_features) for layer in layers])
+        entry = packs[key] = (torch.ops.mkldnn._reorder_linear_weight(weight, layers[0]._pack_hint), bias, stamps)
+    flat = x.reshape(-1, x.shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(flat, entry[0], entry[1], "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+# plain schemas + CPU kernels: the dispatcher calls them with ~1 us of overhead (torch.library.custom_op
 # adds ~30 us a call, 6 ms a SmolLM2 decode step)
 _LIB = torch.library.Library("lockstep", "FRAGMENT")
 _LIB.define("packed_linear(Tensor x, int handle) -> Tensor")
+_LIB.define("packed_linear_cat(Tensor x, int[] handles) -> Tensor")
 
 
 def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     """``layer(x)`` for the :class:`PackedLinear` registered as ``handle``, on its packed weight."""
-    return _packed_product(_LAYERS[handle](), x)
+    return _packed_product([_LAYERS[handle]()], x)
+
+
+def packed_linear_cat(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
+    """``cat([layer(x) for layer in handles], -1)`` as one product on one packed weight (the layers
+    share their input: q/k/v, gate/up)."""
+    return _packed_product([_LAYERS[h]() for h in handles], x)
 
 
 _LIB.impl("packed_linear", packed_linear, "CPU")
+_LIB.impl("packed_linear_cat", packed_linear_cat, "CPU")
 
 
 @torch.library.register_fake("lockstep::packed_linear")
 def _(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _LAYERS[handle]().out_features)
-
-
-def _packed_product(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(flat, layer.packed_weight(), layer.bias, "none", [], "")
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-_LIB.define("packed_linear_cat(Tensor x, int[] handles) -> Tensor")
-
-
-def packed_linear_cat(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
-    """``cat([layer(x) for layer in handles], -1)`` as one product on one packed weight (the layers
-    share their input: q/k/v, gate/up); the group's packing follows writes to any part."""
-    layers = [_LAYERS[h]() for h in handles]
-    key = tuple(handles)
-    parts = [(layer.weight._version, layer.weight.data_ptr()) for layer in layers]
-    # kept on the group's first layer (freed with it): handles -> (packed concatenated weight,
-    # concatenated bias or None, the (version, pointer) of each part when packed)
-    groups = layers[0]._packed_groups
-    group = groups.get(key)
-    if group is None or group[2] != parts:
-        weight = torch.cat([layer.weight.detach() for layer in layers])
-        bias = None
-        if any(layer.bias is not None for layer in layers):
-            bias = torch.cat([layer.bias.detach() if layer.bias is not None else
-                              layer.weight.new_zeros(layer.out_features) for layer in layers])
-        group = groups[key] = (torch.ops.mkldnn._reorder_linear_weight(weight, layers[0]._pack_hint), bias, parts)
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(flat, group[0], group[1], "none", [], "")
-    return out.reshape(*x.shape[:-1], out.shape[-1])
-
-
-_LIB.impl("packed_linear_cat", packed_linear_cat, "CPU")
 
 
 @torch.library.register_fake("lockstep::packed_linear_cat")
@@ -196,7 +192,7 @@ def pack_linears(model: nn.Module, batch_hint: int) -> list[PackedLinear]:
         if type(module) in (nn.Linear, numerics.SwitchableLinear):
             module.__class__ = PackedLinear
             module._pack_handle, module._pack_hint = len(_LAYERS), batch_hint
-            module._packed, module._packed_from, module._packed_groups = None, None, {}
+            module._packs = {}
             _LAYERS.append(weakref.ref(module))
         if isinstance(module, PackedLinear):
             layers.append(module)

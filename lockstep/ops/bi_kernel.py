@@ -27,7 +27,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bi_attention.c", "bi_linear.c")]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",

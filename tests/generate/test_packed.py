@@ -62,19 +62,19 @@ def test_autograd_fp32_and_batch_invariant_use_the_ordinary_linear():
     x = torch.randn(4, 64).to(torch.bfloat16).requires_grad_()
     layer(x).float().square().sum().backward()  # the packed op has no backward: this must not use it
     assert x.grad is not None and layer.weight.grad is not None
-    assert layer._packed is None  # never packed: no no-grad bf16 call yet
+    assert not layer.is_packed  # never packed: no no-grad bf16 call yet
     with torch.no_grad(), numerics.batch_invariant():
         from lockstep.ops.batch_invariant import linear
 
         xb = x.detach()
         assert torch.equal(layer(xb), linear(xb, layer.weight))
-    assert layer._packed is None
+    assert not layer.is_packed
     assert set(layer.state_dict()) == {"weight"}
     fp32 = _layer(64, 32, bias=False).float()
     xf = torch.randn(3, 64)
     with torch.no_grad():
         assert torch.equal(fp32(xf), F.linear(xf, fp32.weight))
-    assert fp32._packed is None
+    assert not fp32.is_packed
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -88,7 +88,7 @@ def test_engine_with_packed_weights_generates_what_it_generates_without(family):
     packed = [m for m in engine.runner.modules() if isinstance(m, PackedLinear)]
     assert packed and set(model.state_dict()) == keys
     results = engine.generate(reqs)
-    used = [m._packed is not None for m in packed]
+    used = [m.is_packed for m in packed]
     # every linear of a dense model runs packed; MoE routers compute their scores in fp32 themselves
     assert all(used) if family in ("llama3", "qwen3") else any(used)
     assert [(r.token_ids, r.logprobs) for r in results] == [(r.token_ids, r.logprobs) for r in plain]
@@ -139,6 +139,8 @@ def test_sibling_grouping_pass_fuses_linears_that_share_an_input():
             assert torch.equal(a, b)
         k.weight.mul_(0.5)  # a write to one part repacks the group
         assert torch.equal(gm(x, y)[1], k(x) + v(x))
+        k.bias.add_(1.0)  # so does a write to a part's bias
+        assert torch.equal(gm(x, y)[1], F.linear(x, k.weight, k.bias) + F.linear(x, v.weight))
 
 
 def test_fsdp_sharded_models_are_not_packed(tmp_path):
