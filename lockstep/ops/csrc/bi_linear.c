@@ -17,6 +17,16 @@
 
 #define L 16 /* lanes: k mod 16 */
 
+/* The lanes a[L] of one output after the full chunks: the tail k16 <= k < K (lane k - k16), then the
+   fixed pairwise tree; x and w are the output's row of x and row of w. */
+static inline float tail_and_tree(float *restrict a, const float *restrict x, const float *restrict w, int64_t k16,
+                                  int64_t k) {
+    for (int64_t kk = k16; kk < k; kk++) a[kk - k16] = fmaf(x[kk], w[kk], a[kk - k16]);
+    for (int h = L / 2; h >= 1; h /= 2)
+        for (int i = 0; i < h; i++) a[i] = a[i] + a[i + h];
+    return a[0];
+}
+
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 
@@ -52,10 +62,7 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
         for (int c = 0; c < C; c++) {
             float a[L];
             _mm512_storeu_ps(a, acc[r][c]);
-            for (int64_t kk = k16; kk < k; kk++) a[kk - k16] = fmaf(x[r * k + kk], w[c * k + kk], a[kk - k16]);
-            for (int h = L / 2; h >= 1; h /= 2)
-                for (int i = 0; i < h; i++) a[i] = a[i] + a[i + h];
-            out[r * ldo + c] = a[0];
+            out[r * ldo + c] = tail_and_tree(a, x + r * k, w + c * k, k16, k);
         }
 }
 #else
@@ -74,13 +81,7 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
                 for (int l = 0; l < L; l++) acc[r][c][l] = fmaf(x[r * k + kk + l], w[c * k + kk + l], acc[r][c][l]);
             }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            float *a = acc[r][c];
-            for (int64_t kk = k16; kk < k; kk++) a[kk - k16] = fmaf(x[r * k + kk], w[c * k + kk], a[kk - k16]);
-            for (int h = L / 2; h >= 1; h /= 2)
-                for (int i = 0; i < h; i++) a[i] = a[i] + a[i + h];
-            out[r * ldo + c] = a[0];
-        }
+        for (int c = 0; c < C; c++) out[r * ldo + c] = tail_and_tree(acc[r][c], x + r * k, w + c * k, k16, k);
 }
 #endif
 
