@@ -152,7 +152,9 @@ class Trainer:
         self.lr_at = config.lr_schedule.build(peak_lr=config.optimizer.lr, total_steps=config.steps)
         self.dtype = DTYPE[cfg.dtype]
         self.tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum  # global, all ranks
-        self.peak = peak_matmul_record(self.dtype, torch.get_num_threads())
+        # tokens_per_step counts every rank's tokens, so MFU is against every rank's peak.
+        self.peak = {**peak_matmul_record(self.dtype, torch.get_num_threads()),
+                     "ranks": self.runtime.world_size}
         self.timer = StageTimer()
         self.checkpointing = None
         self.start_step, self.resumed = 0, None
@@ -339,7 +341,8 @@ class Trainer:
                 record.update(
                     tokens=self.tokens_per_step * step,
                     tokens_per_s=tokens_per_s,
-                    mfu=mfu(tokens_per_s, self.flops_per_token, self.peak["value"]),
+                    mfu=mfu(tokens_per_s, self.flops_per_token,
+                            self.peak["value"] * self.peak["ranks"]),
                     **stages,
                     **{"time/step": seconds},
                     peak_rss_bytes=peak_rss_bytes(),

@@ -52,6 +52,11 @@ def test_run_directory_has_every_file_and_key(debug_run):
         assert key in manifest, key
     assert manifest["recipe"]["recipe"] == "debug"
     assert manifest["model"]["parameters"] > 0 and manifest["model"]["flops_per_token"] > 0
+    peak = manifest["peak_flops"]
+    assert peak["ranks"] == 1 and peak["value"] == peak["per_thread"] * peak["cores_counted"]
+    for r in steps:  # MFU is the logged throughput against the recorded peak, nothing else
+        model_flops = r["tokens_per_s"] * manifest["model"]["flops_per_token"]
+        assert r["mfu"] == pytest.approx(model_flops / (peak["value"] * peak["ranks"]), rel=1e-12)
     assert {"python", "torch", "lockstep"} <= set(manifest["versions"])
     assert manifest["kernels"]["attention"] == ["sdpa"]
     parity = [c for c in manifest["checks"] if c["name"] == "hf_parity"]
