@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 COMPILE_MODES = ["none", "inductor", "inductor-frozen", "aot_eager"]
 #: ``EngineConfig.weights_dtype`` choices: "model" runs the model's own weights
 WEIGHTS_DTYPES = ["model", "bfloat16", "float32"]
+#: ``EngineConfig.linear_kernel`` choices
+LINEAR_KERNELS = ["auto", "amx", "onednn"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -46,10 +48,14 @@ class EngineConfig(Config):
     #: cast copy of the weights (synced from the model's in-place updates before every step); the KV
     #: cache and logits follow it. bf16 on an fp32 model halves the weight bytes per decode step
     weights_dtype: str = "model"
-    #: run bf16 linears on CPU on oneDNN-prepacked copies of their weights (lockstep.generate.packed:
-    #: 1.4-2x faster per decode linear, bitwise equal to F.linear here; repacked when a weight is
-    #: written); costs one packed copy of those weights. No effect on fp32 weights or other devices
+    #: run bf16 linears on CPU on prepacked copies of their weights (lockstep.generate.packed;
+    #: repacked when a weight is written); costs one packed copy of those weights. No effect on fp32
+    #: weights or other devices
     pack_weights: bool = True
+    #: the kernel packed linears run: "amx" (lockstep.ops.amx_linear: Intel AMX tiles, ~1.4x oneDNN
+    #: at decode sizes; fp32 sums in a fixed order, not F.linear's bits), "onednn" (oneDNN's
+    #: prepacked linear: bitwise equal to F.linear here) or "auto" (amx where the CPU has it)
+    linear_kernel: str = "auto"
 
     def validate(self, path: str = "engine") -> None:
         require_positive(self.cache_memory_mb, f"{path}.cache_memory_mb")
@@ -60,6 +66,7 @@ class EngineConfig(Config):
         require_positive(self.max_prefill_tokens, f"{path}.max_prefill_tokens")
         require_choice(self.compile_decode, COMPILE_MODES, f"{path}.compile_decode")
         require_choice(self.weights_dtype, WEIGHTS_DTYPES, f"{path}.weights_dtype")
+        require_choice(self.linear_kernel, LINEAR_KERNELS, f"{path}.linear_kernel")
 
     def build(self, *, model: Any, tokenizer: Any = None) -> "Engine":
         from lockstep.generate.engine import Engine

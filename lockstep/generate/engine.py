@@ -32,7 +32,7 @@ from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
-from lockstep.generate.packed import pack_linears, packable, sibling_grouping_pass
+from lockstep.generate.packed import linear_kernel, pack_linears, packable, sibling_grouping_pass
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
 from lockstep.generate.sampling import request_generator, sample_next
 from lockstep.generate.scheduler import Scheduler, Sequence
@@ -80,7 +80,7 @@ class Engine:
         weight = runner.tok_embeddings.weight
         self.device, self.dtype = weight.device, weight.dtype
         #: linears on prepacked weights (EngineConfig.pack_weights; bf16 on CPU only)
-        self._packed = (pack_linears(runner, config.max_batch_size)
+        self._packed = (pack_linears(runner, config.max_batch_size, linear_kernel(config.linear_kernel))
                         if config.pack_weights and self.dtype == torch.bfloat16 and self.device.type == "cpu"
                         and packable(runner) else [])
         self.vocab_size, self.max_seq_len = model.config.vocab_size, model.config.max_seq_len

@@ -1,12 +1,17 @@
-"""Decode linears on prepacked weights: oneDNN's blocked layout, packed once, repacked when written.
+"""Decode linears on prepacked weights: packed once into a kernel's tile layout, repacked when written.
 
 A bf16 ``F.linear`` on CPU hands oneDNN a plain ``[N, K]`` weight, which it reorders into its
 blocked (AMX/VNNI) layout on *every* call: at decode sizes that reorder reads and writes the whole
 weight again and costs as much as the product. ``EngineConfig.pack_weights`` packs each bf16 linear
-weight of the module tree the engine runs once (``torch.ops.mkldnn._reorder_linear_weight``, the
-prepacking Inductor's freezing uses) and runs ``torch.ops.mkldnn._linear_pointwise`` on it: 1.4-2x
-faster per linear at 1-64 rows here, and bitwise equal to ``F.linear`` on this CPU (the same oneDNN
-kernels; checked in ``tests/generate/test_packed.py``).
+weight of the module tree the engine runs once, for one of two kernels (``linear_kernel``):
+
+- ``"amx"``: :mod:`lockstep.ops.amx_linear`, Intel AMX tiles on a layout each thread streams in
+  one run: ~1.4x oneDNN's prepacked linear on a SmolLM2 decode step's weights. fp32 sums in an order
+  fixed by K (a row's result does not depend on the batch), not ``F.linear``'s bits. Layers whose
+  shapes do not fit its tiles (``amx_linear.supports``) use oneDNN.
+- ``"onednn"``: ``torch.ops.mkldnn._reorder_linear_weight`` (the prepacking Inductor's freezing uses)
+  and ``torch.ops.mkldnn._linear_pointwise``: 1.4-2x faster than ``F.linear`` per linear at 1-64
+  rows here, and bitwise equal to it on this CPU (the same oneDNN kernels; tested).
 
 The packed copy follows the weight: every call compares the version counters and storages of the
 weight and bias (bumped by optimizer steps, ``copy_``, ``load_state_dict``, the RL weight sync) with
@@ -30,6 +35,8 @@ import torch
 from torch import nn
 
 from lockstep import numerics
+from lockstep.config.base import ConfigError
+from lockstep.ops import amx_linear
 
 #: handle -> the layer (weakly: a dropped engine's layers and their packed copies are freed)
 _LAYERS: list[weakref.ref] = []
@@ -53,6 +60,16 @@ def packable(model: nn.Module) -> bool:
     return not any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def linear_kernel(choice: str) -> str:
+    """``EngineConfig.linear_kernel`` resolved on this machine: "amx" or "onednn"."""
+    if choice == "auto":
+        return "amx" if amx_linear.available() else "onednn"
+    if choice == "amx" and not amx_linear.available():
+        raise ConfigError("engine.linear_kernel: 'amx' needs a Linux x86 CPU with AMX (amx_bf16, amx_tile, "
+                          "avx512_bf16 in /proc/cpuinfo) and a C compiler; use 'onednn' or 'auto'")
+    return choice
+
+
 class PackedLinear(numerics.SwitchableLinear):
     """A linear whose no-grad bf16 CPU forward runs on a prepacked copy of its weight (module docstring).
 
@@ -60,7 +77,10 @@ class PackedLinear(numerics.SwitchableLinear):
 
     _pack_handle: int
     _pack_hint: int
-    #: packs this layer leads: handles (its own, or a sibling group's) -> (packed weight, bias, stamps)
+    #: "amx" or "onednn" (the engine's choice, or "onednn" where the shape does not fit the AMX tiles)
+    _pack_kernel: str
+    #: packs this layer leads: handles (its own, or a sibling group's) ->
+    #: (packed weight, bias, stamps, AMX output width or None for oneDNN)
     _packs: dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +120,13 @@ def _packed_product(layers: list[PackedLinear], x: torch.Tensor) -> torch.Tensor
         if any(layer.bias is not None for layer in layers):
             bias = torch.cat([layer.bias.detach() if layer.bias is not None else
                               layer.weight.new_zeros(layer.out_features) for layer in layers])
-        entry = packs[key] = (torch.ops.mkldnn._reorder_linear_weight(weight, layers[0]._pack_hint), bias, stamps)
+        if all(layer._pack_kernel == "amx" for layer in layers):
+            entry = (amx_linear.pack(weight), bias.float() if bias is not None else None, stamps, weight.shape[0])
+        else:
+            entry = (torch.ops.mkldnn._reorder_linear_weight(weight, layers[0]._pack_hint), bias, stamps, None)
+        packs[key] = entry
+    if entry[3] is not None:
+        return amx_linear.linear(x, entry[0], entry[3], entry[1])
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -184,14 +210,17 @@ def sibling_grouping_pass():
     return GroupSiblingLinears()
 
 
-def pack_linears(model: nn.Module, batch_hint: int) -> list[PackedLinear]:
+def pack_linears(model: nn.Module, batch_hint: int, kernel: str = "onednn") -> list[PackedLinear]:
     """Make every linear layer of ``model`` a :class:`PackedLinear` (packed lazily, at first use);
-    ``batch_hint``: the row count oneDNN picks the blocked layout for. Returns the layers."""
+    ``batch_hint``: the row count oneDNN picks the blocked layout for; ``kernel``: "amx" or
+    "onednn" (:func:`linear_kernel`). Returns the layers."""
     layers = []
     for module in model.modules():
         if type(module) in (nn.Linear, numerics.SwitchableLinear):
             module.__class__ = PackedLinear
             module._pack_handle, module._pack_hint = len(_LAYERS), batch_hint
+            fits = amx_linear.supports(module.out_features, module.in_features)
+            module._pack_kernel = "amx" if kernel == "amx" and fits else "onednn"
             module._packs = {}
             _LAYERS.append(weakref.ref(module))
         if isinstance(module, PackedLinear):

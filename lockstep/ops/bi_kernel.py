@@ -7,9 +7,8 @@ order (no ``-ffast-math``, ``-ffp-contract=off``, explicit ``fmaf``): each query
 visible keys in position order, whatever else is in the call, so no tiles, padding or copies are
 needed. The file's header states the exact order.
 
-The library is compiled once per source/compiler/CPU (a second or so) into
-``$LOCKSTEP_CACHE`` (default ``~/.cache/lockstep``)``/kernels`` and loaded after torch, so its
-``#pragma omp`` uses torch's own OpenMP runtime and thread count. Without a C compiler
+The library is compiled once per source/compiler/CPU (:mod:`lockstep.ops.cbuild`) and loaded after
+torch, so its ``#pragma omp`` uses torch's own OpenMP runtime and thread count. Without a C compiler
 :func:`available` is false and the tiled-``bmm`` path is used instead (its bits differ from the
 kernel's, but one process always uses one of them).
 """
@@ -18,15 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import warnings
 from pathlib import Path
 
 import torch
+
+from lockstep.ops.cbuild import build_library
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bi_attention.c", "bi_linear.c")]
 _FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",
@@ -36,40 +31,10 @@ KEY_BLOCK = 32
 VALUE_BLOCK = 32
 
 
-def _cpu_id() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return flags
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if compiler is None or os.environ.get("LOCKSTEP_NO_C_KERNELS"):
-        return None
-    try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES), version, " ".join(_FLAGS), _cpu_id()]).encode())
-    cache = Path(os.environ.get("LOCKSTEP_CACHE", Path.home() / ".cache" / "lockstep")) / "kernels"
-    path = cache / f"bi_kernels-{key.hexdigest()[:16]}.so"
-    try:
-        if not path.exists():
-            cache.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, publish atomically
-                built = Path(tmp) / path.name
-                result = subprocess.run([compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), "-lm"],
-                                        capture_output=True, text=True)
-                if result.returncode != 0:
-                    warnings.warn(f"lockstep: the batch-invariant C kernels did not build; using the tiled "
-                                  f"fallback:\n{result.stderr[-2000:]}", RuntimeWarning, stacklevel=2)
-                    return None
-                os.replace(built, path)
-        lib = ctypes.CDLL(str(path))
-    except OSError:
+    lib = build_library("bi_kernels", _SOURCES, _FLAGS, "the batch-invariant C kernels")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.bi_attention_forward.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float, i64]

@@ -1,0 +1,58 @@
+"""Compile a C source set once per machine into a shared library and load it with ctypes.
+
+The library is built into ``$LOCKSTEP_CACHE`` (default ``~/.cache/lockstep``)``/kernels`` under a
+name keyed by the sources, compiler version, flags and the CPU's feature flags (a second or so, once),
+built aside and published atomically so concurrent processes never load a half-written file. It is
+loaded after torch, so a ``#pragma omp`` in it runs on torch's own OpenMP runtime and thread count.
+``$LOCKSTEP_NO_C_KERNELS`` (any value) disables every C kernel: callers then take their fallbacks.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+
+def cpu_flags() -> str:
+    """This CPU's ``/proc/cpuinfo`` feature flags ("" where there is no such file)."""
+    try:
+        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return ""
+
+
+def build_library(name: str, sources: list[Path], flags: list[str], purpose: str) -> ctypes.CDLL | None:
+    """``sources`` compiled with ``flags`` as ``<cache>/kernels/<name>-<key>.so`` and loaded; None
+    (with a warning naming ``purpose`` when the compiler failed) where C kernels cannot be had."""
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None or os.environ.get("LOCKSTEP_NO_C_KERNELS"):
+        return None
+    try:
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in sources), version, " ".join(flags),
+                                    cpu_flags()]).encode())
+    cache = Path(os.environ.get("LOCKSTEP_CACHE", Path.home() / ".cache" / "lockstep")) / "kernels"
+    path = cache / f"{name}-{key.hexdigest()[:16]}.so"
+    try:
+        if not path.exists():
+            cache.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=cache) as tmp:  # build aside, publish atomically
+                built = Path(tmp) / path.name
+                result = subprocess.run([compiler, *flags, "-o", str(built), *map(str, sources), "-lm"],
+                                        capture_output=True, text=True)
+                if result.returncode != 0:
+                    warnings.warn(f"lockstep: {purpose} did not build; using the fallback:\n{result.stderr[-2000:]}",
+                                  RuntimeWarning, stacklevel=3)
+                    return None
+                os.replace(built, path)
+        return ctypes.CDLL(str(path))
+    except OSError:
+        return None
