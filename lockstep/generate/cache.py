@@ -28,6 +28,7 @@ from torch import nn
 
 from lockstep.models.common.attention import GroupedQueryAttention
 from lockstep.models.common.mla import MultiHeadLatentAttention
+from lockstep.ops import paged_attention
 from lockstep.ops.attention import get_cached_attention
 
 NULL_BLOCK = 0
@@ -109,18 +110,32 @@ class LayerCache:
     def __init__(self, owner: "PagedKVCache", layout: LayerLayout, pools: tuple[torch.Tensor, ...]) -> None:
         self.owner, self.layout, self.pools = owner, layout, pools
 
+    def _store(self, pool: torch.Tensor, new: torch.Tensor) -> None:
+        """Write ``new [B, T, ...]`` at the step's slots."""
+        flat = pool.view(-1, *pool.shape[2:])
+        flat.index_copy_(0, self.owner.meta.slot_mapping, new.reshape(-1, *pool.shape[2:]).to(pool.dtype))
+
     def _store_and_gather(self, pool: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write ``new [B, T, ...]`` at the step's slots; return the contexts ``[B, S, ...]``."""
+        self._store(pool, new)
         meta = self.owner.meta
-        flat = pool.view(-1, *pool.shape[2:])
-        flat.index_copy_(0, meta.slot_mapping, new.reshape(-1, *pool.shape[2:]).to(pool.dtype))
         b, n_blocks = meta.block_tables.shape
         return pool.index_select(0, meta.block_tables.reshape(-1)).view(b, n_blocks * pool.shape[1], *pool.shape[2:])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
                scale: float | None = None) -> torch.Tensor:
-        """q [B, H, T, D], new k/v [B, Hkv, T, D] -> attention over each whole context [B, H, T, D]."""
+        """q [B, H, T, D], new k/v [B, Hkv, T, D] -> attention over each whole context [B, H, T, D].
+
+        A decode step (T = 1) of the ``sdpa`` backend on CPU reads the context in place from the
+        pools (:mod:`lockstep.ops.paged_attention`) instead of gathering it."""
         k_pool, v_pool = self.pools
+        if backend == "sdpa" and self.owner.in_place_decode and paged_attention.usable(q, k_pool, v_pool):
+            meta = self.owner.meta
+            self._store(k_pool, k.transpose(1, 2))
+            self._store(v_pool, v.transpose(1, 2))
+            scale = paged_attention.default_scale(q.shape[-1]) if scale is None else scale
+            return torch.ops.lockstep.paged_decode_attention(q, k_pool, v_pool, meta.block_tables, meta.q_positions,
+                                                              scale)
         k_ctx = self._store_and_gather(k_pool, k.transpose(1, 2)).transpose(1, 2)
         v_ctx = self._store_and_gather(v_pool, v.transpose(1, 2)).transpose(1, 2)
         fn = get_cached_attention(backend)
@@ -139,10 +154,14 @@ class PagedKVCache:
     """Block pools for every layer of a model, the allocator, and the current step's metadata."""
 
     def __init__(self, layouts: dict[str, LayerLayout], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", *, in_place_decode: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"KV cache: need at least one block, got {num_blocks}")
         self.layouts, self.num_blocks, self.block_size, self.dtype = layouts, num_blocks, block_size, dtype
+        #: decode steps of the sdpa backend read K/V in place (lockstep.ops.paged_attention); decided
+        #: here, outside any compiled region, since building the kernel is not traceable
+        self.in_place_decode = (in_place_decode and torch.device(device).type == "cpu"
+                                and paged_attention.available())
         self.allocator = BlockAllocator(num_blocks)
         self.meta: StepMetadata | None = None
         self._layers: dict[str, LayerCache] = {}

@@ -56,6 +56,9 @@ class EngineConfig(Config):
     #: at decode sizes; fp32 sums in a fixed order, not F.linear's bits), "onednn" (oneDNN's
     #: prepacked linear: bitwise equal to F.linear here) or "auto" (amx where the CPU has it)
     linear_kernel: str = "auto"
+    #: decode steps read keys/values in place from the paged cache (lockstep.ops.paged_attention, a C
+    #: kernel; CPU, sdpa backend) instead of gathering each context and running SDPA on the copy
+    paged_attention: bool = True
 
     def validate(self, path: str = "engine") -> None:
         require_positive(self.cache_memory_mb, f"{path}.cache_memory_mb")

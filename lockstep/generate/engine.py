@@ -94,7 +94,8 @@ class Engine:
         if num_blocks < 1:
             raise ConfigError(f"engine.cache_memory_mb: {config.cache_memory_mb} MiB holds no cache block "
                               f"({per_block} bytes each at block_size={config.block_size})")
-        self.cache = PagedKVCache(layouts, num_blocks, config.block_size, self.dtype, self.device)
+        self.cache = PagedKVCache(layouts, num_blocks, config.block_size, self.dtype, self.device,
+                                  in_place_decode=config.paged_attention)
         self.scheduler = Scheduler(self.cache.allocator, config.block_size, config.max_batch_size,
                                    config.max_prefill_tokens)
         #: optional hook, called as ``on_logits(seq_ids, logits [B, V] fp32)`` for every sampled row (tests, debugging)

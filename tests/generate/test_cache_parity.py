@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from lockstep.generate import Request, SamplingParams
+from lockstep.ops import paged_attention
 
 from .conftest import FAMILIES, engine_for, full_forward_logits, prompts, record_logits, tiny_model
 
@@ -38,11 +39,19 @@ def _assert_matches_full_forward(model, seen, seq_ids, prompt_list, results) -> 
     return worst
 
 
+#: decode attention read in place from the pools (C kernel) or gathered + SDPA
+PAGED = [pytest.param(True, id="in-place", marks=pytest.mark.skipif(not paged_attention.available(),
+                                                                     reason="no C compiler")),
+         pytest.param(False, id="gathered")]
+
+
+@pytest.mark.parametrize("paged", PAGED)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_batched_prefill_and_decode_match_full_forward(family):
+def test_batched_prefill_and_decode_match_full_forward(family, paged):
     """Prompts of lengths 1..17 in one batch (padded prefill, block size 4: tables of 1..6 blocks)."""
     model = tiny_model(family)
-    engine = engine_for(model, block_size=4, max_batch_size=8)
+    engine = engine_for(model, block_size=4, max_batch_size=8, paged_attention=paged)
+    assert engine.cache.in_place_decode == paged
     seen = record_logits(engine)
     prompt_list = prompts([3, 11, 6, 1, 17])
     budgets = [6, 2, 9, 4, 5]
@@ -51,12 +60,13 @@ def test_batched_prefill_and_decode_match_full_forward(family):
     print(f"{family}: cache vs full forward, max |logits diff| {worst:.3g}")
 
 
+@pytest.mark.parametrize("paged", PAGED)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_continuous_batching_joins_and_leaves_match_full_forward(family):
+def test_continuous_batching_joins_and_leaves_match_full_forward(family, paged):
     """Sequences join between decode steps (into a batch of at most 2) and leave when done; the
     blocks freed by one are reused by the next, so stale cache contents must stay masked."""
     model = tiny_model(family, seed=1)
-    engine = engine_for(model, block_size=4, max_batch_size=2, num_blocks=8)
+    engine = engine_for(model, block_size=4, max_batch_size=2, num_blocks=8, paged_attention=paged)
     seen = record_logits(engine)
     prompt_list = prompts([5, 2, 9, 3, 7], seed=1)
     budgets = [3, 8, 2, 6, 4]

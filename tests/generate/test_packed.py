@@ -1,10 +1,12 @@
-"""``EngineConfig.pack_weights``: bf16 linears on oneDNN-prepacked weights.
+"""``EngineConfig.pack_weights``: bf16 linears on prepacked weights (``linear_kernel`` amx / onednn).
 
-What must hold: a packed layer gives exactly ``F.linear``'s bits (measured on this CPU for decode and
-prefill row counts; the docstring of lockstep.generate.packed claims it), so an engine with packing
-generates the very tokens and logprobs of one without; the packed copy follows in-place writes and
-replaced parameters; the layer is an ordinary linear under autograd, in batch-invariant mode and in
-fp32; the state dict does not change; the compiled decode step traces the packed op.
+What must hold: a oneDNN-packed layer gives exactly ``F.linear``'s bits (measured on this CPU for
+decode and prefill row counts; the docstring of lockstep.generate.packed claims it), so an engine
+with it generates the very tokens and logprobs of one without; an AMX-packed one gives the AMX
+kernel's bits (its own tests: tests/numerics/test_amx_linear.py) and the same tokens; either packed
+copy follows in-place writes and replaced parameters; the layer is an ordinary linear under
+autograd, in batch-invariant mode and in fp32; the state dict does not change; the compiled decode
+step traces the packed op; asking for AMX where there is none is a config error.
 """
 
 from __future__ import annotations
@@ -15,20 +17,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep import numerics
+from lockstep.config.base import ConfigError
 from lockstep.generate import Request, SamplingParams
 from lockstep.generate.packed import PackedLinear, available, pack_linears
+from lockstep.ops import amx_linear
 
 from .conftest import FAMILIES, engine_for, prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no oneDNN")
+KERNELS = ["onednn", pytest.param("amx", marks=pytest.mark.skipif(not amx_linear.available(), reason="no AMX here"))]
 
 
-def _layer(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
+def _layer(k: int, n: int, bias: bool, seed: int = 0, kernel: str = "onednn") -> nn.Linear:
     torch.manual_seed(seed)
     layer = nn.Linear(k, n, bias=bias).to(torch.bfloat16)
-    pack_linears(layer, batch_hint=16)
-    assert isinstance(layer, PackedLinear)
+    pack_linears(layer, batch_hint=16, kernel=kernel)
+    assert isinstance(layer, PackedLinear) and layer._pack_kernel == kernel
     return layer
+
+
+def _expected(layer: nn.Linear, x: torch.Tensor, kernel: str) -> torch.Tensor:
+    """What the layer's kernel gives on the layer's current weights, packed afresh."""
+    if kernel == "onednn":
+        return F.linear(x, layer.weight, layer.bias)
+    bias = layer.bias.float() if layer.bias is not None else None
+    return amx_linear.linear(x, amx_linear.pack(layer.weight), layer.out_features, bias)
 
 
 @pytest.mark.parametrize("k,n", [(64, 96), (576, 1536), (1536, 576), (48, 200)])
@@ -45,16 +58,33 @@ def test_packed_linear_is_bitwise_f_linear(k, n, bias):
         assert torch.equal(layer(xt), F.linear(xt, layer.weight, layer.bias))
 
 
-def test_packed_copy_follows_writes_and_replacements():
-    layer = _layer(64, 32, bias=True)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_packed_copy_follows_writes_and_replacements(kernel):
+    layer = _layer(64, 32, bias=True, kernel=kernel)
     x = torch.randn(4, 64).to(torch.bfloat16)
     with torch.no_grad():
         first = layer(x)
+        assert torch.equal(first, _expected(layer, x, kernel))
         layer.weight.mul_(-1)  # in place: the version counter moves
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert torch.equal(layer(x), _expected(layer, x, kernel))
         assert not torch.equal(layer(x), first)
+        layer.bias.add_(1)
+        assert torch.equal(layer(x), _expected(layer, x, kernel))
         layer.weight = nn.Parameter(torch.randn(32, 64).to(torch.bfloat16))  # replaced: a new storage
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+        assert torch.equal(layer(x), _expected(layer, x, kernel))
+
+
+def test_amx_falls_back_per_layer_and_is_refused_where_missing(monkeypatch):
+    odd = _layer(64, 40, bias=False, kernel="onednn")  # 40 columns: not a whole AMX tile
+    pack_linears(odd, batch_hint=16, kernel="amx")
+    assert odd._pack_kernel == "onednn"
+    model = tiny_model("llama3").to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="engine.linear_kernel"):
+        engine_for(model, linear_kernel="fast")
+    monkeypatch.setattr(amx_linear, "available", lambda: False)
+    with pytest.raises(ConfigError, match="engine.linear_kernel: 'amx' needs"):
+        engine_for(model, linear_kernel="amx")
+    assert {m._pack_kernel for m in engine_for(model, linear_kernel="auto")._packed} == {"onednn"}
 
 
 def test_autograd_fp32_and_batch_invariant_use_the_ordinary_linear():
@@ -77,21 +107,29 @@ def test_autograd_fp32_and_batch_invariant_use_the_ordinary_linear():
     assert not fp32.is_packed
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_with_packed_weights_generates_what_it_generates_without(family):
+def test_engine_with_packed_weights_generates_what_it_generates_without(family, kernel):
     model = tiny_model(family).to(torch.bfloat16)
     reqs = [Request(prompt_ids=p, sampling=SamplingParams(max_new_tokens=6, temperature=0.7, seed=i))
             for i, p in enumerate(prompts([3, 9, 5]))]
     plain = engine_for(model, max_batch_size=4, pack_weights=False).generate(reqs)
     keys = set(model.state_dict())
-    engine = engine_for(model, max_batch_size=4)
+    engine = engine_for(model, max_batch_size=4, linear_kernel=kernel)
     packed = [m for m in engine.runner.modules() if isinstance(m, PackedLinear)]
     assert packed and set(model.state_dict()) == keys
     results = engine.generate(reqs)
     used = [m.is_packed for m in packed]
     # every linear of a dense model runs packed; MoE routers compute their scores in fp32 themselves
     assert all(used) if family in ("llama3", "qwen3") else any(used)
-    assert [(r.token_ids, r.logprobs) for r in results] == [(r.token_ids, r.logprobs) for r in plain]
+    if kernel == "onednn":  # F.linear's bits: the very same run
+        assert [(r.token_ids, r.logprobs) for r in results] == [(r.token_ids, r.logprobs) for r in plain]
+        return
+    assert any(m._pack_kernel == "amx" for m in packed)
+    # another summation order: the same draws, logprobs within bf16 noise of these K <= 192 models
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    for ours, theirs in zip(results, plain):
+        torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), rtol=0, atol=2e-2)
 
 
 def test_packed_engine_follows_weight_updates_and_compiles():

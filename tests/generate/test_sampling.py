@@ -90,6 +90,16 @@ def test_token_logprobs_is_the_untruncated_tempered_log_softmax():
     assert tokens[1] == 2  # greedy: argmax
 
 
+def test_greedy_takes_argmax_first_index_among_ties_and_nan():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (32, 1000), generator=gen).float()  # many exact ties per row
+    logits[5, 17] = float("nan")
+    logits[6] = float("-inf")
+    tokens, _ = sample_next(logits, [SamplingParams(temperature=0)] * 32, [None] * 32)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert tokens[5] == 17 and tokens[6] == 0
+
+
 def _draw(logits: torch.Tensor, n: int, **kw) -> torch.Tensor:
     params = [SamplingParams(seed=i, **kw) for i in range(n)]
     return sample_next(logits.expand(n, -1), params, [request_generator(i) for i in range(n)])[0]
