@@ -44,10 +44,11 @@ def _gathered(q, k_pool, v_pool, tables, positions, scale):
     return sdpa_cached_attention(q, k, v, q_positions=positions, scale=scale)
 
 
+@pytest.mark.parametrize("batch", [2, 5])  # tasks of one kv head / of every kv head of a sequence
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 3, 32)])
-def test_matches_gather_and_sdpa(dtype, heads, kv_heads, d):
-    q, k_pool, v_pool, tables, positions = _case(5, heads, kv_heads, d, block_size=4, width=6, dtype=dtype)
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 3, 32), (40, 2, 16)])
+def test_matches_gather_and_sdpa(batch, dtype, heads, kv_heads, d):
+    q, k_pool, v_pool, tables, positions = _case(batch, heads, kv_heads, d, block_size=4, width=6, dtype=dtype)
     assert paged_attention.usable(q, k_pool, v_pool)
     scale = d**-0.5
     got = torch.ops.lockstep.paged_decode_attention(q, k_pool, v_pool, tables, positions, scale)

@@ -85,87 +85,111 @@ static inline __m512 exp_nonpositive(__m512 x) {
 }
 
 #define MAX_GROUPS 16
+#define MAX_TASK_HEADS 32
 #define MAX_CHUNKS 16 /* head dims up to 256 */
 
-/* groups and chunks are compile-time constants in the common cases (attend_avx512 dispatches), so the
- * loops over them unroll and the query and accumulator vectors stay in registers. */
-static inline __attribute__((always_inline)) void attend_fixed(
-        const void *q, const void *k_pool, const void *v_pool, const int64_t *tables, const int64_t *positions,
-        void *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size,
-        int64_t table_width, float scale, int is_bf16, const int64_t groups, const int64_t chunks) {
-    #pragma omp parallel for schedule(static)
-    for (int64_t task = 0; task < batch * kv_heads; task++) {
-        const int64_t b = task / kv_heads, kvh = task % kv_heads, head0 = b * heads + kvh * groups;
-        int64_t n = positions[b] + 1;
-        if (n > block_size * table_width)
-            n = block_size * table_width;
-        if (n < 1)
-            n = 1;
-        const int64_t stride = (n + LANES - 1) / LANES * LANES;
-        float *scores = malloc(sizeof(float) * (size_t)(groups * stride));
-        __m512 qv[MAX_GROUPS][MAX_CHUNKS], acc[MAX_GROUPS][MAX_CHUNKS];
-        for (int64_t g = 0; g < groups; g++)
-            for (int64_t c = 0; c < chunks; c++) {
-                qv[g][c] = _mm512_mul_ps(load16(q, (head0 + g) * d + c * LANES, is_bf16), _mm512_set1_ps(scale));
-                acc[g][c] = _mm512_setzero_ps();
-            }
-        const int64_t *table = tables + b * table_width, row_stride = kv_heads * d;
-        for (int64_t s = 0, row = 0; s < n; s++, row++) {
-            if (s % block_size == 0)
-                row = table[s / block_size] * block_size;
-            const int64_t at = row * row_stride + kvh * d;
+/* One task: sequence b, kv heads kv0 .. kv0 + kv_count - 1 (adjacent in a pool row, so a task with
+ * every kv head reads each context row as one contiguous run). groups and chunks are compile-time
+ * constants in the common cases (attend_avx512 dispatches), so the loops over them unroll. */
+static inline __attribute__((always_inline)) void attend_task(
+        const void *q, const void *k_pool, const void *v_pool, const int64_t *table, int64_t n, void *out,
+        int64_t b, int64_t kv0, int64_t kv_count, int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size,
+        float scale, int is_bf16, const int64_t groups, const int64_t chunks) {
+    const int64_t rows = kv_count * groups, head0 = b * heads + kv0 * groups, row_stride = kv_heads * d;
+    const int64_t stride = (n + LANES - 1) / LANES * LANES;
+    float *scores = malloc(sizeof(float) * (size_t)(rows * stride));
+    __m512 qv[MAX_TASK_HEADS][MAX_CHUNKS], acc[MAX_TASK_HEADS][MAX_CHUNKS];
+    for (int64_t h = 0; h < rows; h++)
+        for (int64_t c = 0; c < chunks; c++) {
+            qv[h][c] = _mm512_mul_ps(load16(q, (head0 + h) * d + c * LANES, is_bf16), _mm512_set1_ps(scale));
+            acc[h][c] = _mm512_setzero_ps();
+        }
+    for (int64_t s = 0, row = 0; s < n; s++, row++) {
+        if (s % block_size == 0)
+            row = table[s / block_size] * block_size;
+        for (int64_t kv = 0; kv < kv_count; kv++) {
+            const int64_t at = row * row_stride + (kv0 + kv) * d;
             __m512 lane[MAX_GROUPS];
             for (int64_t g = 0; g < groups; g++)
                 lane[g] = _mm512_setzero_ps();
             for (int64_t c = 0; c < chunks; c++) {
                 __m512 kc = load16(k_pool, at + c * LANES, is_bf16);
                 for (int64_t g = 0; g < groups; g++)
-                    lane[g] = _mm512_fmadd_ps(qv[g][c], kc, lane[g]);
+                    lane[g] = _mm512_fmadd_ps(qv[kv * groups + g][c], kc, lane[g]);
             }
             for (int64_t g = 0; g < groups; g++)
-                scores[g * stride + s] = _mm512_reduce_add_ps(lane[g]);
+                scores[(kv * groups + g) * stride + s] = _mm512_reduce_add_ps(lane[g]);
         }
-        float total[MAX_GROUPS];
-        for (int64_t g = 0; g < groups; g++) {
-            float *row_scores = scores + g * stride, top = row_scores[0];
-            for (int64_t s = 1; s < n; s++)
-                top = row_scores[s] > top ? row_scores[s] : top;
-            __m512 sum = _mm512_setzero_ps(), topv = _mm512_set1_ps(top);
-            for (int64_t s0 = 0; s0 < n; s0 += LANES) {
-                __mmask16 live = n - s0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (n - s0)) - 1);
-                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row_scores + s0), topv));
-                e = _mm512_maskz_mov_ps(live, e);
-                _mm512_storeu_ps(row_scores + s0, e);
-                sum = _mm512_add_ps(sum, e);
-            }
-            total[g] = _mm512_reduce_add_ps(sum);
+    }
+    float total[MAX_TASK_HEADS];
+    for (int64_t h = 0; h < rows; h++) {
+        float *row_scores = scores + h * stride, top = row_scores[0];
+        for (int64_t s = 1; s < n; s++)
+            top = row_scores[s] > top ? row_scores[s] : top;
+        __m512 sum = _mm512_setzero_ps(), topv = _mm512_set1_ps(top);
+        for (int64_t s0 = 0; s0 < n; s0 += LANES) {
+            __mmask16 live = n - s0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (n - s0)) - 1);
+            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row_scores + s0), topv));
+            e = _mm512_maskz_mov_ps(live, e);
+            _mm512_storeu_ps(row_scores + s0, e);
+            sum = _mm512_add_ps(sum, e);
         }
-        for (int64_t s = 0, row = 0; s < n; s++, row++) {
-            if (s % block_size == 0)
-                row = table[s / block_size] * block_size;
-            const int64_t at = row * row_stride + kvh * d;
+        total[h] = _mm512_reduce_add_ps(sum);
+    }
+    for (int64_t s = 0, row = 0; s < n; s++, row++) {
+        if (s % block_size == 0)
+            row = table[s / block_size] * block_size;
+        for (int64_t kv = 0; kv < kv_count; kv++) {
+            const int64_t at = row * row_stride + (kv0 + kv) * d;
             for (int64_t c = 0; c < chunks; c++) {
                 __m512 vc = load16(v_pool, at + c * LANES, is_bf16);
-                for (int64_t g = 0; g < groups; g++)
-                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * stride + s]), vc, acc[g][c]);
-            }
-        }
-        for (int64_t g = 0; g < groups; g++) {
-            __m512 inv = _mm512_set1_ps(1.0f / total[g]);
-            for (int64_t c = 0; c < chunks; c++) {
-                __m512 o = _mm512_mul_ps(acc[g][c], inv);
-                const int64_t at = (head0 + g) * d + c * LANES;
-                if (is_bf16) {
-                    for (int l = 0; l < LANES; l++)
-                        ((uint16_t *)out)[at + l] = round_bf16(((float *)&o)[l]);
-                } else {
-                    _mm512_storeu_ps((float *)out + at, o);
+                for (int64_t g = 0; g < groups; g++) {
+                    const int64_t h = kv * groups + g;
+                    acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * stride + s]), vc, acc[h][c]);
                 }
             }
         }
-        free(scores);
+    }
+    for (int64_t h = 0; h < rows; h++) {
+        __m512 inv = _mm512_set1_ps(1.0f / total[h]);
+        for (int64_t c = 0; c < chunks; c++) {
+            __m512 o = _mm512_mul_ps(acc[h][c], inv);
+            const int64_t at = (head0 + h) * d + c * LANES;
+            if (is_bf16) {
+                float lanes[LANES];
+                _mm512_storeu_ps(lanes, o);
+                for (int l = 0; l < LANES; l++)
+                    ((uint16_t *)out)[at + l] = round_bf16(lanes[l]);
+            } else {
+                _mm512_storeu_ps((float *)out + at, o);
+            }
+        }
+    }
+    free(scores);
+}
+
+static inline __attribute__((always_inline)) void attend_fixed(
+        const void *q, const void *k_pool, const void *v_pool, const int64_t *tables, const int64_t *positions,
+        void *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size,
+        int64_t table_width, float scale, int is_bf16, const int64_t groups, const int64_t chunks) {
+    /* whole rows per task when there are sequences enough to keep every thread busy */
+    int64_t kv_per_task = batch >= 2 * omp_get_max_threads() ? kv_heads : 1;
+    while (kv_per_task > 1 && (kv_heads % kv_per_task || kv_per_task * groups > MAX_TASK_HEADS))
+        kv_per_task--;
+    const int64_t per_seq = kv_heads / kv_per_task;
+    #pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < batch * per_seq; task++) {
+        const int64_t b = task / per_seq, kv0 = task % per_seq * kv_per_task;
+        int64_t n = positions[b] + 1;
+        if (n > block_size * table_width)
+            n = block_size * table_width;
+        if (n < 1)
+            n = 1;
+        attend_task(q, k_pool, v_pool, tables + b * table_width, n, out, b, kv0, kv_per_task, heads, kv_heads, d,
+                    block_size, scale, is_bf16, groups, chunks);
     }
 }
+
 static void attend_avx512(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
                           const int64_t *positions, void *out, int64_t batch, int64_t heads, int64_t kv_heads,
                           int64_t d, int64_t block_size, int64_t table_width, float scale, int is_bf16) {
