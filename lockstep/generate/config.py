@@ -40,6 +40,12 @@ class EngineConfig(Config):
     #: constants: fastest on CPU, ignores later weight updates) or "aot_eager" (traced, bitwise eager);
     #: MoE models must be bf16 (torch._grouped_mm traces only in bf16)
     compile_decode: str = "none"
+    #: with compile_decode: check the compiled step's guards in full the first time each (batch,
+    #: context) bucket runs in a numerics mode, and only the guards that tell buckets apart after
+    #: that (torch.compiler's skip_guard_eval_unsafe; ~0.9 ms a SmolLM2 step). Safe while nothing
+    #: but the engine changes what the step reads; call ``engine.sync_weights()`` after replacing
+    #: parameters, or set False
+    skip_guard_checks: bool = True
     #: batch-invariant kernels for this engine's steps (bitwise-equal to the trainer's
     #: ``score_logprobs``, docs/numerics.md): True / False, or None to follow the process-wide
     #: ``lockstep.numerics`` switch

@@ -103,6 +103,9 @@ class Engine:
         self._next_id = 0
         self._decode_forward = self._forward_last
         self._compiled = config.compile_decode != "none"
+        #: (rows, context blocks, numerics mode) buckets whose compiled step ran with every guard checked
+        self._guarded: set[tuple] = set()
+        self._unskippable: set[tuple] = set()
         if self._compiled:
             _check_compilable(runner)
             backend = "aot_eager" if config.compile_decode == "aot_eager" else "inductor"
@@ -199,6 +202,8 @@ class Engine:
             self._shadow.resync()
         for layer in self._packed:
             layer.drop_packed()
+        self._guarded.clear()
+        self._unskippable.clear()
 
     def _prepare(self) -> None:
         """Before a step: sync cast weights, and make the kernels follow the batch-invariant switch as
@@ -288,19 +293,44 @@ class Engine:
 
     def _decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
         b = len(seqs)
-        rows = self._bucket(b) if self._compiled else b
+        # batch-invariant mode decodes uncompiled: its C kernels split a traced step into pieces
+        # (they are opaque to dynamo), and the compiled pieces gave other numbers than eager
+        compiled = self._compiled and not self._prepared[0]
+        rows = self._bucket(b) if compiled else b
         tokens = torch.zeros(rows, 1, dtype=torch.long)
         positions = torch.zeros(rows, 1, dtype=torch.long)
         tokens[:b, 0] = torch.tensor([s.last_token for s in seqs])
         positions[:b, 0] = torch.tensor([s.length - 1 for s in seqs])
         n_blocks = -(-max(s.length for s in seqs) // self.config.block_size)
-        if self._compiled:  # one graph per (batch, context) bucket: context padded to a power of two blocks
+        if compiled:  # one graph per (batch, context) bucket: context padded to a power of two blocks
             n_blocks = 1 << max(0, math.ceil(math.log2(n_blocks)))
         tables = self._block_tables(seqs, n_blocks, rows)
         valid = torch.arange(rows)[:, None] < b
         self._set_step(tables, positions, valid)
-        logits = self._decode_forward(tokens.to(self.device), positions.to(self.device))
+        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        if compiled:
+            logits = self._compiled_decode(tokens, positions, (rows, n_blocks, tuple(self._prepared[1])))
+        else:
+            logits = self._forward_last(tokens, positions)
         return self._sample(seqs, logits[:b])
+
+    def _compiled_decode(self, tokens: torch.Tensor, positions: torch.Tensor, bucket: tuple) -> torch.Tensor:
+        """The compiled decode forward. A bucket (rows, context blocks, attention backends) that already
+        ran with every guard checked runs with only the guards that tell cached graphs apart
+        (``EngineConfig.skip_guard_checks``); should dynamo still want to recompile, the step reruns
+        with full guards (it only rewrites the same cache slots with the same values) and the bucket
+        is never skipped again."""
+        if self.config.skip_guard_checks and bucket in self._guarded and bucket not in self._unskippable:
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self._decode_forward(tokens, positions)
+            except RuntimeError as err:
+                if "skip_guard_eval_unsafe" not in str(err):
+                    raise
+                self._unskippable.add(bucket)
+        logits = self._decode_forward(tokens, positions)
+        self._guarded.add(bucket)  # ran with every guard checked: this bucket's graph is known
+        return logits
 
     def _bucket(self, b: int) -> int:
         return min(1 << max(0, math.ceil(math.log2(b))), max(b, self.config.max_batch_size))

@@ -76,6 +76,7 @@ class PackedLinear(numerics.SwitchableLinear):
     Only the class changes (as with ``SwitchableLinear``): same parameters, names and state dict."""
 
     _pack_handle: int
+    _pack_key: tuple
     _pack_hint: int
     #: "amx" or "onednn" (the engine's choice, or "onednn" where the shape does not fit the AMX tiles)
     _pack_kernel: str
@@ -90,7 +91,7 @@ class PackedLinear(numerics.SwitchableLinear):
             return super().forward(x)
         if torch.compiler.is_compiling():
             return torch.ops.lockstep.packed_linear(x, self._pack_handle)
-        return _packed_product([self], x)  # eager: skip the dispatcher round trip (211 calls a step)
+        return _single_product(self, x)  # eager: skip the dispatcher round trip (211 calls a step)
 
     @property
     def is_packed(self) -> bool:
@@ -106,6 +107,40 @@ def _stamp(layer: PackedLinear) -> tuple:
     return (w._version, w.data_ptr()) + ((b._version, b.data_ptr()) if b is not None else ())
 
 
+def _pack(layers: list[PackedLinear], stamps: list[tuple]) -> tuple:
+    """The layers' concatenated weight (and bias) packed for their kernel: (packed weight, bias,
+    stamps, AMX output width or None for oneDNN)."""
+    weight = torch.cat([layer.weight.detach() for layer in layers]) if len(layers) > 1 else layers[0].weight.detach()
+    bias = None
+    if any(layer.bias is not None for layer in layers):
+        bias = torch.cat([layer.bias.detach() if layer.bias is not None else
+                          layer.weight.new_zeros(layer.out_features) for layer in layers])
+    if all(layer._pack_kernel == "amx" for layer in layers):
+        return amx_linear.pack(weight), bias.float() if bias is not None else None, stamps, weight.shape[0]
+    return torch.ops.mkldnn._reorder_linear_weight(weight, layers[0]._pack_hint), bias, stamps, None
+
+
+def _run(entry: tuple, x: torch.Tensor) -> torch.Tensor:
+    if entry[3] is not None:
+        return amx_linear.linear(x, entry[0], entry[3], entry[1])
+    flat = x.reshape(-1, x.shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(flat, entry[0], entry[1], "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _single_product(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` on its packed weight, packed again when the weight or bias moved (the common
+    call: kept to a dict lookup and one stamp)."""
+    key = layer._pack_key
+    entry = layer._packs.get(key)
+    stamp = _stamp(layer)
+    if entry is None or entry[2][0] != stamp:
+        entry = layer._packs[key] = _pack([layer], [stamp])
+    return _run(entry, x)
+
+
 def _packed_product(layers: list[PackedLinear], x: torch.Tensor) -> torch.Tensor:
     """``cat([layer(x) for layer in layers], -1)`` as one product on the layers' packed concatenated
     weight, kept on the first layer (freed with it) and packed again when any part's weight or bias
@@ -115,23 +150,8 @@ def _packed_product(layers: list[PackedLinear], x: torch.Tensor) -> torch.Tensor
     stamps = [_stamp(layer) for layer in layers]
     entry = packs.get(key)
     if entry is None or entry[2] != stamps:
-        weight = torch.cat([layer.weight.detach() for layer in layers]) if len(layers) > 1 else layers[0].weight.detach()
-        bias = None
-        if any(layer.bias is not None for layer in layers):
-            bias = torch.cat([layer.bias.detach() if layer.bias is not None else
-                              layer.weight.new_zeros(layer.out_features) for layer in layers])
-        if all(layer._pack_kernel == "amx" for layer in layers):
-            entry = (amx_linear.pack(weight), bias.float() if bias is not None else None, stamps, weight.shape[0])
-        else:
-            entry = (torch.ops.mkldnn._reorder_linear_weight(weight, layers[0]._pack_hint), bias, stamps, None)
-        packs[key] = entry
-    if entry[3] is not None:
-        return amx_linear.linear(x, entry[0], entry[3], entry[1])
-    flat = x.reshape(-1, x.shape[-1])
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(flat, entry[0], entry[1], "none", [], "")
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+        entry = packs[key] = _pack(layers, stamps)
+    return _run(entry, x)
 
 
 # plain schemas + CPU kernels: the dispatcher calls them with ~1 us of overhead (torch.library.custom_op
@@ -143,7 +163,7 @@ _LIB.define("packed_linear_cat(Tensor x, int[] handles) -> Tensor")
 
 def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     """``layer(x)`` for the :class:`PackedLinear` registered as ``handle``, on its packed weight."""
-    return _packed_product([_LAYERS[handle]()], x)
+    return _single_product(_LAYERS[handle](), x)
 
 
 def packed_linear_cat(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
@@ -219,6 +239,7 @@ def pack_linears(model: nn.Module, batch_hint: int, kernel: str = "onednn") -> l
         if type(module) in (nn.Linear, numerics.SwitchableLinear):
             module.__class__ = PackedLinear
             module._pack_handle, module._pack_hint = len(_LAYERS), batch_hint
+            module._pack_key = (module._pack_handle,)
             fits = amx_linear.supports(module.out_features, module.in_features)
             module._pack_kernel = "amx" if kernel == "amx" and fits else "onednn"
             module._packs = {}

@@ -68,12 +68,11 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """bf16 ``x [..., K] @ W.T (+ bias)`` on ``packed = pack(W)``; ``bias`` is fp32 ``[N]`` or None."""
-    k = x.shape[-1]
-    flat = x.reshape(-1, k)
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    out = torch.empty(flat.shape[0], out_features, dtype=torch.bfloat16)
-    if flat.shape[0]:
-        _library().amx_linear(flat.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
-                              out.data_ptr(), flat.shape[0], out_features, k)
-    return out.reshape(*x.shape[:-1], out_features)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = x.new_empty((*x.shape[:-1], out_features))
+    rows = out.numel() // out_features if out_features else 0
+    if rows:  # per call: ~1 us of Python here (the engine makes ~120 of these a decode step)
+        _library().amx_linear(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+                              out.data_ptr(), rows, out_features, x.shape[-1])
+    return out
