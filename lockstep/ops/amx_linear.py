@@ -2,7 +2,7 @@
 
 The generation engine's packed linears (:mod:`lockstep.generate.packed`) use it where this CPU has
 AMX: a decode step's products stream each weight once, and this kernel reads its tile layout at
-~1.4x the speed of oneDNN's prepacked linear on SmolLM2's shapes (``benchmarks/amx_linear.py``).
+~1.4x the speed of oneDNN's prepacked linear on SmolLM2's shapes (``benchmarks/decode_kernels.py``).
 Products and sums are fp32, one bf16 rounding at the end, in an order fixed by K alone (the C
 file's header), so a row's result does not depend on the other rows of the call; it is not
 bit-identical to ``F.linear`` (oneDNN sums in another order).
