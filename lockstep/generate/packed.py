@@ -86,9 +86,16 @@ class PackedLinear(numerics.SwitchableLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (numerics.is_batch_invariant() or w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16
-                or w.device.type != "cpu" or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+        if (w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or w.device.type != "cpu"
+                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return super().forward(x)
+        if numerics.is_batch_invariant():
+            # the batch-invariant bf16 linear is the AMX kernel on a fresh pack of this weight; the
+            # cached AMX pack holds the same bytes (bias added after, as that path does)
+            if self._pack_kernel != "amx" or torch.compiler.is_compiling():
+                return super().forward(x)
+            out = _single_product(self, x, with_bias=False)
+            return out + self.bias if self.bias is not None else out
         if torch.compiler.is_compiling():
             return torch.ops.lockstep.packed_linear(x, self._pack_handle)
         return _single_product(self, x)  # eager: skip the dispatcher round trip (211 calls a step)
@@ -130,14 +137,16 @@ def _run(entry: tuple, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _single_product(layer: PackedLinear, x: torch.Tensor) -> torch.Tensor:
+def _single_product(layer: PackedLinear, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
     """``layer(x)`` on its packed weight, packed again when the weight or bias moved (the common
-    call: kept to a dict lookup and one stamp)."""
+    call: kept to a dict lookup and one stamp); ``with_bias=False``: ``x @ W.T`` alone."""
     key = layer._pack_key
     entry = layer._packs.get(key)
     stamp = _stamp(layer)
     if entry is None or entry[2][0] != stamp:
         entry = layer._packs[key] = _pack([layer], [stamp])
+    if not with_bias and entry[1] is not None:
+        entry = (entry[0], None, entry[2], entry[3])
     return _run(entry, x)
 
 

@@ -9,7 +9,11 @@ log_softmax, RMSNorm) and elementwise ops do not. Two ways to make a row's bits 
   wherever a C compiler builds them): compiled without fast-math or FMA contraction, so the source
   order is the arithmetic order; each query row reduces its visible keys in position order, each
   linear output is a dot product in a fixed lane order set by K alone, depending on nothing but its
-  own inputs. No padding, tiles or copies, and the thread count does not matter.
+  own inputs. No padding, tiles or copies, and the thread count does not matter. The bf16 linear,
+  on CPUs with AMX, is :mod:`lockstep.ops.amx_linear` (tile products summed in an order set by K
+  alone: row-invariant by construction), its weight packed on every call (no cached copy to go
+  stale) except in the engine's :class:`~lockstep.generate.packed.PackedLinear`, whose cached
+  pack holds the very same bytes.
 * **Fixed-shape tiles** (everything else): a ``bmm`` whose every entry has the *same* shape gives
   each row the same bits whatever the entry count, the row's place and its neighbours.
   :func:`tiled_matmul`: rows padded to a multiple of ``row_tile(dtype)`` (16 in fp32, 128 in
@@ -33,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops import bi_kernel
+from lockstep.ops import amx_linear, bi_kernel
 from lockstep.ops.attention import register_attention, register_cached_attention
 
 #: fp32 rows per tile: one tile holds a 16-sequence decode step (32 would double its work, and
@@ -67,13 +71,22 @@ def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int | None = None) -> t
     return out.reshape(n_tiles * tile, b.shape[1])[:m]
 
 
+def amx_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the batch-invariant bf16 linear of ``x @ weight.T`` is the AMX kernel here."""
+    return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.device.type == "cpu"
+            and amx_linear.supports(*weight.shape) and amx_linear.available())
+
+
 def _weight_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ weight [N, K].T``: in fp32 on CPU the C kernel (fixed-order dot products of
     rows read in place: no padding, and no cached weight copy to go stale when collectives or
-    FSDP's all-gather write the weight), otherwise fixed row tiles."""
+    FSDP's all-gather write the weight), in bf16 on AMX CPUs the AMX kernel on a pack made now,
+    otherwise fixed row tiles."""
     if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.device.type == "cpu"
             and bi_kernel.available()):
         return bi_kernel.linear(x, weight)
+    if amx_applies(x, weight):
+        return amx_linear.linear(x, amx_linear.pack(weight), weight.shape[0])
     return tiled_matmul(x, weight.t())
 
 
