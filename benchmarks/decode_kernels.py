@@ -5,7 +5,7 @@ Usage:
 
 1. bf16 linear at decode rows on SmolLM2-135M's shapes (q/k/v merged 960x576, o 576x576, gate/up
    merged 3072x576, down 576x1536, head 49152x576; 30 layers' worth of distinct weights each, so a
-   sweep streams ~270 MB like one decode step): ``lockstep.ops.amx_linear`` vs oneDNN's prepacked
+   sweep streams ~270 MB like one decode step): ``lockstep.ops.decode_linear`` vs oneDNN's prepacked
    linear (``mkldnn._linear_pointwise`` on ``_reorder_linear_weight``, the engine's ``"onednn"``
    kernel) vs plain ``F.linear``. Per shape: microseconds a call and weight GB/s (best of rounds);
    the whole sweep: milliseconds, and the ratio AMX / oneDNN.
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops import amx_linear, paged_attention
+from lockstep.ops import decode_linear, paged_attention
 from lockstep.ops.attention import sdpa_cached_attention
 
 SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30), ("down", 576, 1536, 30),
@@ -48,10 +48,10 @@ def linears(rows: int, rounds: int) -> None:
     for name, n, k, layers in SHAPES:
         weights = [(torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16) for _ in range(layers)]
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-        packed = [amx_linear.pack(w) for w in weights] if amx_linear.available() else None
+        packed = [decode_linear.pack(w) for w in weights] if decode_linear.available() else None
         reordered = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
         if packed is not None:
-            sides["amx"][name] = lambda x=x, packed=packed, n=n: [amx_linear.linear(x, p, n) for p in packed]
+            sides["amx"][name] = lambda x=x, packed=packed, n=n: [decode_linear.linear(x, p, n) for p in packed]
         sides["onednn"][name] = lambda x=x, r=reordered: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                                           for w in r]
         sides["F.linear"][name] = lambda x=x, weights=weights: [F.linear(x, w) for w in weights]
@@ -127,7 +127,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, AMX kernel: {amx_linear.available()}")
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, AMX kernel: {decode_linear.available()}")
     with torch.inference_mode():
         linears(args.rows, args.rounds)
         attention(args.rounds)

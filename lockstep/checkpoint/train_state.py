@@ -71,7 +71,9 @@ def model_slots(model: nn.Module) -> dict[str, Slot]:
                 continue  # tied weights: once
             seen.add(id(t))
             fqn = clean_fqn(name)
-            slots[f"model/{fqn}"] = _slot(t.data if isinstance(t, nn.Parameter) else t, fqn, experts)
+            # detach(), not .data: a load writing through it moves the parameter's version counter, which
+            # is how copies made from the weights (the engine's packed weights) learn they are stale
+            slots[f"model/{fqn}"] = _slot(t.detach(), fqn, experts)
     return slots
 
 

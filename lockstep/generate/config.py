@@ -58,7 +58,7 @@ class EngineConfig(Config):
     #: repacked when a weight is written); costs one packed copy of those weights. No effect on fp32
     #: weights or other devices
     pack_weights: bool = True
-    #: the kernel packed linears run: "amx" (lockstep.ops.amx_linear: Intel AMX tiles, ~1.4x oneDNN
+    #: the kernel packed linears run: "amx" (lockstep.ops.decode_linear: Intel AMX tiles, ~1.4x oneDNN
     #: at decode sizes; fp32 sums in a fixed order, not F.linear's bits), "onednn" (oneDNN's
     #: prepacked linear: bitwise equal to F.linear here) or "auto" (amx where the CPU has it)
     linear_kernel: str = "auto"

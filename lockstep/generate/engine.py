@@ -79,10 +79,10 @@ class Engine:
         self.runner = runner = self._shadow.model if self._shadow is not None else model
         weight = runner.tok_embeddings.weight
         self.device, self.dtype = weight.device, weight.dtype
-        #: linears on prepacked weights (EngineConfig.pack_weights; bf16 on CPU only)
-        self._packed = (pack_linears(runner, config.max_batch_size, linear_kernel(config.linear_kernel))
-                        if config.pack_weights and self.dtype == torch.bfloat16 and self.device.type == "cpu"
-                        and packable(runner) else [])
+        #: linears on prepacked weights (EngineConfig.pack_weights; bf16, and fp32 with AVX-512, on CPU)
+        kernel = linear_kernel(config.linear_kernel, self.dtype) if config.pack_weights else None
+        self._packed = (pack_linears(runner, config.max_batch_size, kernel)
+                        if kernel is not None and self.device.type == "cpu" and packable(runner) else [])
         self.vocab_size, self.max_seq_len = model.config.vocab_size, model.config.max_seq_len
         self.eos_id = tokenizer_eos_id(tokenizer) if tokenizer is not None else None
         self._modules = list(runner.modules())

@@ -5,10 +5,10 @@ blocked (AMX/VNNI) layout on *every* call: at decode sizes that reorder reads an
 weight again and costs as much as the product. ``EngineConfig.pack_weights`` packs each bf16 linear
 weight of the module tree the engine runs once, for one of two kernels (``linear_kernel``):
 
-- ``"amx"``: :mod:`lockstep.ops.amx_linear`, Intel AMX tiles on a layout each thread streams in
+- ``"amx"``: :mod:`lockstep.ops.decode_linear`, Intel AMX tiles on a layout each thread streams in
   one run: ~1.4x oneDNN's prepacked linear on a SmolLM2 decode step's weights. fp32 sums in an order
   fixed by K (a row's result does not depend on the batch), not ``F.linear``'s bits. Layers whose
-  shapes do not fit its tiles (``amx_linear.supports``) use oneDNN.
+  shapes do not fit its tiles (``decode_linear.supports``) use oneDNN.
 - ``"onednn"``: ``torch.ops.mkldnn._reorder_linear_weight`` (the prepacking Inductor's freezing uses)
   and ``torch.ops.mkldnn._linear_pointwise``: 1.4-2x faster than ``F.linear`` per linear at 1-64
   rows here, and bitwise equal to it on this CPU (the same oneDNN kernels; tested).
@@ -36,7 +36,7 @@ from torch import nn
 
 from lockstep import numerics
 from lockstep.config.base import ConfigError
-from lockstep.ops import amx_linear
+from lockstep.ops import decode_linear
 
 #: handle -> the layer (weakly: a dropped engine's layers and their packed copies are freed)
 _LAYERS: list[weakref.ref] = []
@@ -60,34 +60,44 @@ def packable(model: nn.Module) -> bool:
     return not any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def linear_kernel(choice: str) -> str:
-    """``EngineConfig.linear_kernel`` resolved on this machine: "amx" or "onednn"."""
+def linear_kernel(choice: str, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """``EngineConfig.linear_kernel`` resolved on this machine for an engine running ``dtype``:
+    bf16: "amx" or "onednn"; fp32: "f32" (``"auto"`` where AVX-512 is here) or None (unpacked)."""
+    if dtype == torch.float32:
+        return "f32" if choice == "auto" and decode_linear.available(torch.float32) else None
+    if dtype != torch.bfloat16:
+        return None
     if choice == "auto":
-        return "amx" if amx_linear.available() else "onednn"
-    if choice == "amx" and not amx_linear.available():
+        return "amx" if decode_linear.available() else "onednn"
+    if choice == "amx" and not decode_linear.available():
         raise ConfigError("engine.linear_kernel: 'amx' needs a Linux x86 CPU with AMX (amx_bf16, amx_tile, "
                           "avx512_bf16 in /proc/cpuinfo) and a C compiler; use 'onednn' or 'auto'")
     return choice
 
 
+#: kernel -> the weight dtype it runs
+_KERNEL_DTYPE = {"amx": torch.bfloat16, "onednn": torch.bfloat16, "f32": torch.float32}
+
+
 class PackedLinear(numerics.SwitchableLinear):
-    """A linear whose no-grad bf16 CPU forward runs on a prepacked copy of its weight (module docstring).
+    """A linear whose no-grad CPU forward runs on a prepacked copy of its weight (module docstring).
 
     Only the class changes (as with ``SwitchableLinear``): same parameters, names and state dict."""
 
     _pack_handle: int
     _pack_key: tuple
     _pack_hint: int
-    #: "amx" or "onednn" (the engine's choice, or "onednn" where the shape does not fit the AMX tiles)
-    _pack_kernel: str
+    #: "amx", "onednn" (bf16; "onednn" also where a shape does not fit the AMX tiles) or "f32";
+    #: None: this layer runs unpacked (an fp32 shape the kernel does not take)
+    _pack_kernel: str | None
     #: packs this layer leads: handles (its own, or a sibling group's) ->
-    #: (packed weight, bias, stamps, AMX output width or None for oneDNN)
+    #: (packed weight, bias, stamps, C-kernel output width or None for oneDNN)
     _packs: dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (w.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or w.device.type != "cpu"
-                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
+        if (self._pack_kernel is None or w.dtype != _KERNEL_DTYPE[self._pack_kernel] or x.dtype != w.dtype
+                or w.device.type != "cpu" or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return super().forward(x)
         if numerics.is_batch_invariant():
             # the batch-invariant bf16 linear is the AMX kernel on a fresh pack of this weight; the
@@ -122,14 +132,14 @@ def _pack(layers: list[PackedLinear], stamps: list[tuple]) -> tuple:
     if any(layer.bias is not None for layer in layers):
         bias = torch.cat([layer.bias.detach() if layer.bias is not None else
                           layer.weight.new_zeros(layer.out_features) for layer in layers])
-    if all(layer._pack_kernel == "amx" for layer in layers):
-        return amx_linear.pack(weight), bias.float() if bias is not None else None, stamps, weight.shape[0]
+    if all(layer._pack_kernel in ("amx", "f32") for layer in layers):
+        return decode_linear.pack(weight), bias.float() if bias is not None else None, stamps, weight.shape[0]
     return torch.ops.mkldnn._reorder_linear_weight(weight, layers[0]._pack_hint), bias, stamps, None
 
 
 def _run(entry: tuple, x: torch.Tensor) -> torch.Tensor:
     if entry[3] is not None:
-        return amx_linear.linear(x, entry[0], entry[3], entry[1])
+        return decode_linear.linear(x, entry[0], entry[3], entry[1])
     flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -241,16 +251,19 @@ def sibling_grouping_pass():
 
 def pack_linears(model: nn.Module, batch_hint: int, kernel: str = "onednn") -> list[PackedLinear]:
     """Make every linear layer of ``model`` a :class:`PackedLinear` (packed lazily, at first use);
-    ``batch_hint``: the row count oneDNN picks the blocked layout for; ``kernel``: "amx" or
-    "onednn" (:func:`linear_kernel`). Returns the layers."""
+    ``batch_hint``: the row count oneDNN picks the blocked layout for; ``kernel``: "amx", "onednn"
+    or "f32" (:func:`linear_kernel`). Returns the layers."""
     layers = []
     for module in model.modules():
         if type(module) in (nn.Linear, numerics.SwitchableLinear):
             module.__class__ = PackedLinear
             module._pack_handle, module._pack_hint = len(_LAYERS), batch_hint
             module._pack_key = (module._pack_handle,)
-            fits = amx_linear.supports(module.out_features, module.in_features)
-            module._pack_kernel = "amx" if kernel == "amx" and fits else "onednn"
+            fits = decode_linear.supports(module.out_features, module.in_features, _KERNEL_DTYPE[kernel])
+            if kernel == "f32":
+                module._pack_kernel = "f32" if fits else None
+            else:
+                module._pack_kernel = "amx" if kernel == "amx" and fits else "onednn"
             module._packs = {}
             _LAYERS.append(weakref.ref(module))
         if isinstance(module, PackedLinear):

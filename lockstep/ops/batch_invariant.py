@@ -10,7 +10,7 @@ log_softmax, RMSNorm) and elementwise ops do not. Two ways to make a row's bits 
   order is the arithmetic order; each query row reduces its visible keys in position order, each
   linear output is a dot product in a fixed lane order set by K alone, depending on nothing but its
   own inputs. No padding, tiles or copies, and the thread count does not matter. The bf16 linear,
-  on CPUs with AMX, is :mod:`lockstep.ops.amx_linear` (tile products summed in an order set by K
+  on CPUs with AMX, is :mod:`lockstep.ops.decode_linear` (tile products summed in an order set by K
   alone: row-invariant by construction), its weight packed on every call (no cached copy to go
   stale) except in the engine's :class:`~lockstep.generate.packed.PackedLinear`, whose cached
   pack holds the very same bytes.
@@ -37,7 +37,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops import amx_linear, bi_kernel
+from lockstep.ops import bi_kernel, decode_linear
 from lockstep.ops.attention import register_attention, register_cached_attention
 
 #: fp32 rows per tile: one tile holds a 16-sequence decode step (32 would double its work, and
@@ -74,7 +74,7 @@ def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int | None = None) -> t
 def amx_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the batch-invariant bf16 linear of ``x @ weight.T`` is the AMX kernel here."""
     return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.device.type == "cpu"
-            and amx_linear.supports(*weight.shape) and amx_linear.available())
+            and decode_linear.supports(*weight.shape) and decode_linear.available())
 
 
 def _weight_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -86,7 +86,7 @@ def _weight_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             and bi_kernel.available()):
         return bi_kernel.linear(x, weight)
     if amx_applies(x, weight):
-        return amx_linear.linear(x, amx_linear.pack(weight), weight.shape[0])
+        return decode_linear.linear(x, decode_linear.pack(weight), weight.shape[0])
     return tiled_matmul(x, weight.t())
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import increment_version
 
 from lockstep.config.base import Config, require, require_choice, require_positive
 
@@ -45,8 +47,17 @@ class AdamWConfig(Config):
         groups = [{"params": params, "weight_decay": self.weight_decay if decays else 0.0}
                   for (decays, _), params in sorted(buckets.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
         # The fused kernel (CPU and CUDA) is elementwise per parameter: fast and deterministic.
-        return torch.optim.AdamW(groups, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps,
-                                 fused=True)
+        optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=(self.beta1, self.beta2), eps=self.eps,
+                                      fused=True)
+        optimizer.register_step_post_hook(_mark_parameters_written)
+        return optimizer
+
+
+def _mark_parameters_written(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The fused AdamW kernel writes the parameters without moving their version counters (torch
+    2.13); copies made from the weights (the engine's bf16 cast and packed weights) use those
+    counters to know they are stale, so move them here."""
+    increment_version([p for group in optimizer.param_groups for p in group["params"]])
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -3,7 +3,7 @@
 What must hold: a oneDNN-packed layer gives exactly ``F.linear``'s bits (measured on this CPU for
 decode and prefill row counts; the docstring of lockstep.generate.packed claims it), so an engine
 with it generates the very tokens and logprobs of one without; an AMX-packed one gives the AMX
-kernel's bits (its own tests: tests/numerics/test_amx_linear.py) and the same tokens; either packed
+kernel's bits (its own tests: tests/numerics/test_decode_linear.py) and the same tokens; either packed
 copy follows in-place writes and replaced parameters; the layer is an ordinary linear under
 autograd, in batch-invariant mode and in fp32; the state dict does not change; the compiled decode
 step traces the packed op; asking for AMX where there is none is a config error.
@@ -20,12 +20,12 @@ from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate import Request, SamplingParams
 from lockstep.generate.packed import PackedLinear, available, pack_linears
-from lockstep.ops import amx_linear
+from lockstep.ops import decode_linear
 
 from .conftest import FAMILIES, engine_for, prompts, tiny_model
 
 pytestmark = pytest.mark.skipif(not available(), reason="this torch build has no oneDNN")
-KERNELS = ["onednn", pytest.param("amx", marks=pytest.mark.skipif(not amx_linear.available(), reason="no AMX here"))]
+KERNELS = ["onednn", pytest.param("amx", marks=pytest.mark.skipif(not decode_linear.available(), reason="no AMX here"))]
 
 
 def _layer(k: int, n: int, bias: bool, seed: int = 0, kernel: str = "onednn") -> nn.Linear:
@@ -41,7 +41,7 @@ def _expected(layer: nn.Linear, x: torch.Tensor, kernel: str) -> torch.Tensor:
     if kernel == "onednn":
         return F.linear(x, layer.weight, layer.bias)
     bias = layer.bias.float() if layer.bias is not None else None
-    return amx_linear.linear(x, amx_linear.pack(layer.weight), layer.out_features, bias)
+    return decode_linear.linear(x, decode_linear.pack(layer.weight), layer.out_features, bias)
 
 
 @pytest.mark.parametrize("k,n", [(64, 96), (576, 1536), (1536, 576), (48, 200)])
@@ -81,7 +81,7 @@ def test_amx_falls_back_per_layer_and_is_refused_where_missing(monkeypatch):
     model = tiny_model("llama3").to(torch.bfloat16)
     with pytest.raises(ConfigError, match="engine.linear_kernel"):
         engine_for(model, linear_kernel="fast")
-    monkeypatch.setattr(amx_linear, "available", lambda: False)
+    monkeypatch.setattr(decode_linear, "available", lambda dtype=torch.bfloat16: False)
     with pytest.raises(ConfigError, match="engine.linear_kernel: 'amx' needs"):
         engine_for(model, linear_kernel="amx")
     assert {m._pack_kernel for m in engine_for(model, linear_kernel="auto")._packed} == {"onednn"}
@@ -199,3 +199,20 @@ def test_fsdp_sharded_models_are_not_packed(tmp_path):
         assert not any(isinstance(m, PackedLinear) for m in model.modules()) and not engine._packed
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not decode_linear.available(torch.float32), reason="no AVX-512 fp32 kernel here")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_engine_packs_for_the_avx512_kernel(family):
+    """fp32 weights run on the fp32 kernel (another summation order than F.linear: the same greedy
+    tokens, logprobs within 1e-5 at these K <= 192: fp32 sums of ~100 terms)."""
+    model = tiny_model(family)
+    reqs = [Request(prompt_ids=p, sampling=SamplingParams(max_new_tokens=6, temperature=0)) for p in prompts([3, 9, 5])]
+    plain = engine_for(model, max_batch_size=4, pack_weights=False).generate(reqs)
+    engine = engine_for(model, max_batch_size=4)
+    results = engine.generate(reqs)
+    assert engine._packed and any(m._pack_kernel == "f32" and m.is_packed for m in engine._packed)
+    assert [r.token_ids for r in results] == [r.token_ids for r in plain]
+    for ours, theirs in zip(results, plain):
+        torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), rtol=0, atol=1e-5)
+    assert not engine_for(tiny_model(family), linear_kernel="onednn")._packed  # fp32: the kernel or nothing

@@ -1,4 +1,4 @@
-/* bf16 linear on Intel AMX tiles for the generation engine's decode steps (lockstep/ops/amx_linear.py).
+/* bf16 linear on Intel AMX tiles for the generation engine's decode steps (lockstep/ops/decode_linear.py).
  *
  * out[M, N] = x[M, K] @ W[N, K]^T (+ bias), products and sums in fp32, one bf16 rounding at the end
  * (round to nearest even, as every bf16 GEMM here).
