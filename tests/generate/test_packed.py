@@ -216,3 +216,18 @@ def test_fp32_engine_packs_for_the_avx512_kernel(family):
     for ours, theirs in zip(results, plain):
         torch.testing.assert_close(torch.tensor(ours.logprobs), torch.tensor(theirs.logprobs), rtol=0, atol=1e-5)
     assert not engine_for(tiny_model(family), linear_kernel="onednn")._packed  # fp32: the kernel or nothing
+
+
+@pytest.mark.skipif(not decode_linear.available(torch.float32), reason="no AVX-512 fp32 kernel here")
+def test_long_prefills_take_the_library_gemm():
+    from lockstep.generate.packed import PLAIN_ROWS
+
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48)
+    pack_linears(layer, batch_hint=16, kernel="f32")
+    with torch.no_grad():
+        short, long = torch.randn(PLAIN_ROWS, 64), torch.randn(PLAIN_ROWS + 1, 64)
+        assert torch.equal(layer(long), F.linear(long, layer.weight, layer.bias))
+        kernel = decode_linear.linear(short, decode_linear.pack(layer.weight), 48, layer.bias.float())
+        assert torch.equal(layer(short), kernel) and layer.is_packed
+        assert not torch.equal(kernel, F.linear(short, layer.weight, layer.bias))  # so the two paths differ
