@@ -37,7 +37,8 @@ N_BLOCK = 16
 
 
 @functools.cache
-def _library(dtype: torch.dtype) -> tuple[ctypes.CDLL, str] | None:
+def _library(dtype: torch.dtype) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
+    """``dtype``'s (pack, linear) C functions, or None where they cannot run."""
     source, flags, needed, prefix = _KERNELS[dtype]
     if not needed <= set(cpu_flags().split()):
         return None
@@ -45,11 +46,10 @@ def _library(dtype: torch.dtype) -> tuple[ctypes.CDLL, str] | None:
     if lib is None or (dtype == torch.bfloat16 and lib.amx_request_permission() != 0):
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    getattr(lib, prefix + "_pack").argtypes = [ptr, ptr, i64, i64]
-    getattr(lib, prefix + "_pack").restype = None
-    getattr(lib, prefix + "_linear").argtypes = [ptr] * 4 + [i64] * 3
-    getattr(lib, prefix + "_linear").restype = None
-    return lib, prefix
+    pack_fn, linear_fn = getattr(lib, prefix + "_pack"), getattr(lib, prefix + "_linear")
+    pack_fn.argtypes, pack_fn.restype = [ptr, ptr, i64, i64], None
+    linear_fn.argtypes, linear_fn.restype = [ptr] * 4 + [i64] * 3, None
+    return pack_fn, linear_fn
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -70,10 +70,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"decode_linear.pack: needs a bf16 [N, K] weight with N % {N_BLOCK} == 0 and "
                          f"K % {K_BLOCK[torch.bfloat16]} == 0, or an fp32 one with N % {N_BLOCK} == 0; "
                          f"got {tuple(weight.shape)} {weight.dtype}")
-    lib, prefix = _library(weight.dtype)
     weight = weight.detach().contiguous()
     packed = torch.empty(n * k, dtype=weight.dtype)
-    getattr(lib, prefix + "_pack")(weight.data_ptr(), packed.data_ptr(), n, k)
+    _library(weight.dtype)[0](weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
 
@@ -85,8 +84,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     out = x.new_empty((*x.shape[:-1], out_features))
     rows = out.numel() // out_features if out_features else 0
     if rows:  # per call: ~1 us of Python here (the engine makes ~120 of these a decode step)
-        lib, prefix = _library(x.dtype)
-        getattr(lib, prefix + "_linear")(x.data_ptr(), packed.data_ptr(),
-                                         bias.data_ptr() if bias is not None else None, out.data_ptr(), rows,
-                                         out_features, x.shape[-1])
+        _library(x.dtype)[1](x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
+                             out.data_ptr(), rows, out_features, x.shape[-1])
     return out
