@@ -54,11 +54,11 @@ class EngineConfig(Config):
     #: cast copy of the weights (synced from the model's in-place updates before every step); the KV
     #: cache and logits follow it. bf16 on an fp32 model halves the weight bytes per decode step
     weights_dtype: str = "model"
-    #: run bf16 linears on CPU on prepacked copies of their weights (lockstep.generate.packed;
-    #: repacked when a weight is written); costs one packed copy of those weights. No effect on fp32
-    #: weights or other devices
+    #: run linears on CPU on prepacked copies of their weights (lockstep.generate.packed; repacked
+    #: when a weight is written): bf16 with linear_kernel's kernel, fp32 on AVX-512 CPUs; costs one
+    #: packed copy of those weights. No effect on other devices
     pack_weights: bool = True
-    #: the kernel packed linears run: "amx" (lockstep.ops.decode_linear: Intel AMX tiles, ~1.4x oneDNN
+    #: the kernel packed bf16 linears run: "amx" (lockstep.ops.decode_linear: Intel AMX tiles, ~1.4x oneDNN
     #: at decode sizes; fp32 sums in a fixed order, not F.linear's bits), "onednn" (oneDNN's
     #: prepacked linear: bitwise equal to F.linear here) or "auto" (amx where the CPU has it)
     linear_kernel: str = "auto"

@@ -15,7 +15,7 @@ decode forward in ``torch.compile`` as one graph, the cache's writes and attenti
 batch is then padded to a power of two (at most ``max_batch_size``) and each context to a power of
 two blocks (null-block padding, masked), so each (batch, context) bucket compiles once.
 ``EngineConfig.weights_dtype`` runs a cast copy of the weights (:mod:`lockstep.generate.weights`);
-``EngineConfig.pack_weights`` runs bf16 linears on prepacked weights (:mod:`lockstep.generate.packed`).
+``EngineConfig.pack_weights`` runs linears on prepacked weights (:mod:`lockstep.generate.packed`).
 """
 
 from __future__ import annotations
@@ -103,8 +103,9 @@ class Engine:
         self._next_id = 0
         self._decode_forward = self._forward_last
         self._compiled = config.compile_decode != "none"
-        #: (rows, context blocks, numerics mode) buckets whose compiled step ran with every guard checked
+        #: (rows, context blocks, attention backends) buckets whose compiled step ran with every guard checked
         self._guarded: set[tuple] = set()
+        #: buckets where dynamo still asked to recompile with guards skipped: always checked in full
         self._unskippable: set[tuple] = set()
         if self._compiled:
             _check_compilable(runner)

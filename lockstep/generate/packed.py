@@ -1,28 +1,33 @@
-"""Decode linears on prepacked weights: packed once into a kernel's tile layout, repacked when written.
+"""Decode linears on prepacked weights: packed once into a kernel's layout, repacked when written.
 
 A bf16 ``F.linear`` on CPU hands oneDNN a plain ``[N, K]`` weight, which it reorders into its
 blocked (AMX/VNNI) layout on *every* call: at decode sizes that reorder reads and writes the whole
-weight again and costs as much as the product. ``EngineConfig.pack_weights`` packs each bf16 linear
-weight of the module tree the engine runs once, for one of two kernels (``linear_kernel``):
+weight again and costs as much as the product. ``EngineConfig.pack_weights`` packs each linear
+weight of the module tree the engine runs once, for one kernel (``linear_kernel``):
 
-- ``"amx"``: :mod:`lockstep.ops.decode_linear`, Intel AMX tiles on a layout each thread streams in
-  one run: ~1.4x oneDNN's prepacked linear on a SmolLM2 decode step's weights. fp32 sums in an order
-  fixed by K (a row's result does not depend on the batch), not ``F.linear``'s bits. Layers whose
-  shapes do not fit its tiles (``decode_linear.supports``) use oneDNN.
-- ``"onednn"``: ``torch.ops.mkldnn._reorder_linear_weight`` (the prepacking Inductor's freezing uses)
-  and ``torch.ops.mkldnn._linear_pointwise``: 1.4-2x faster than ``F.linear`` per linear at 1-64
-  rows here, and bitwise equal to it on this CPU (the same oneDNN kernels; tested).
+- bf16 ``"amx"``: :mod:`lockstep.ops.decode_linear`, Intel AMX tiles on a layout each thread streams
+  in one run: ~1.5x oneDNN's prepacked linear on a SmolLM2 decode step's weights. fp32 sums in an
+  order fixed by K (a row's result does not depend on the batch), not ``F.linear``'s bits. Layers
+  whose shapes do not fit its tiles (``decode_linear.supports``) use oneDNN.
+- bf16 ``"onednn"``: ``torch.ops.mkldnn._reorder_linear_weight`` (the prepacking Inductor's freezing
+  uses) and ``torch.ops.mkldnn._linear_pointwise``: 1.4-2x faster than ``F.linear`` per linear at
+  1-64 rows here, and bitwise equal to it on this CPU (the same oneDNN kernels; tested).
+- fp32 ``"f32"`` (``"auto"`` on AVX-512 CPUs): :mod:`lockstep.ops.decode_linear`'s AVX-512 kernel;
+  layers whose output width is not a multiple of 16 stay unpacked.
+
+The C kernels hand calls of more than ``PLAIN_ROWS`` rows (long prefills) to ``F.linear``.
 
 The packed copy follows the weight: every call compares the version counters and storages of the
-weight and bias (bumped by optimizer steps, ``copy_``, ``load_state_dict``, the RL weight sync) with
-those it was packed from and repacks when they moved; one layer and a sibling group (below) use the
-same cache. A write that moves no version counter (a collective
+weight and bias (moved by lockstep's AdamW steps, ``copy_``, ``load_state_dict``, checkpoint loads,
+the RL weight sync) with those it was packed from and repacks when they moved; one layer and a
+sibling group (below) use the same cache. A write that moves no version counter (a collective
 writing straight into the storage) is not seen: ``Engine.sync_weights()`` repacks everything.
 
 The packed product is a registered op (``lockstep::packed_linear``), so ``compile_decode``
 traces it as one call and the weights need not be graph constants (unlike Inductor's freezing).
-Outside the engine's no-grad decode (autograd, batch-invariant mode, fp32, other devices) the layer
-is the ordinary linear.
+Autograd and other devices take the ordinary linear; batch-invariant mode takes its own linear,
+except that an AMX-packed layer runs its cached pack (the batch-invariant bf16 linear is that
+kernel on the same bytes).
 """
 
 from __future__ import annotations
@@ -131,7 +136,7 @@ def _stamp(layer: PackedLinear) -> tuple:
 
 def _pack(layers: list[PackedLinear], stamps: list[tuple]) -> tuple:
     """The layers' concatenated weight (and bias) packed for their kernel: (packed weight, bias,
-    stamps, AMX output width or None for oneDNN)."""
+    stamps, C-kernel output width or None for oneDNN)."""
     weight = torch.cat([layer.weight.detach() for layer in layers]) if len(layers) > 1 else layers[0].weight.detach()
     bias = None
     if any(layer.bias is not None for layer in layers):
@@ -152,30 +157,28 @@ def _run(entry: tuple, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _entry(layers: list[PackedLinear], key: tuple) -> tuple:
+    """The layers' pack under ``key``, kept on the first layer (freed with it) and packed again when
+    any part's weight or bias was written or replaced since."""
+    stamps = [_stamp(layer) for layer in layers]
+    entry = layers[0]._packs.get(key)
+    if entry is None or entry[2] != stamps:
+        entry = layers[0]._packs[key] = _pack(layers, stamps)
+    return entry
+
+
 def _single_product(layer: PackedLinear, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-    """``layer(x)`` on its packed weight, packed again when the weight or bias moved (the common
-    call: kept to a dict lookup and one stamp); ``with_bias=False``: ``x @ W.T`` alone."""
-    key = layer._pack_key
-    entry = layer._packs.get(key)
-    stamp = _stamp(layer)
-    if entry is None or entry[2][0] != stamp:
-        entry = layer._packs[key] = _pack([layer], [stamp])
+    """``layer(x)`` on its packed weight; ``with_bias=False``: ``x @ W.T`` alone."""
+    entry = _entry([layer], layer._pack_key)
     if not with_bias and entry[1] is not None:
         entry = (entry[0], None, entry[2], entry[3])
     return _run(entry, x)
 
 
 def _packed_product(layers: list[PackedLinear], x: torch.Tensor) -> torch.Tensor:
-    """``cat([layer(x) for layer in layers], -1)`` as one product on the layers' packed concatenated
-    weight, kept on the first layer (freed with it) and packed again when any part's weight or bias
-    was written or replaced since."""
-    packs = layers[0]._packs
-    key = tuple(layer._pack_handle for layer in layers)
-    stamps = [_stamp(layer) for layer in layers]
-    entry = packs.get(key)
-    if entry is None or entry[2] != stamps:
-        entry = packs[key] = _pack(layers, stamps)
-    return _run(entry, x)
+    """``cat([layer(x) for layer in layers], -1)`` as one product on the layers' packed
+    concatenated weight."""
+    return _run(_entry(layers, tuple(layer._pack_handle for layer in layers)), x)
 
 
 # plain schemas + CPU kernels: the dispatcher calls them with ~1 us of overhead (torch.library.custom_op

@@ -35,9 +35,8 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.paged_decode_attention_bf16, lib.paged_decode_attention_f32):
-        fn.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float]
-        fn.restype = None
+    lib.paged_decode_attention.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.paged_decode_attention.restype = None
     return lib
 
 
@@ -70,10 +69,9 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     tables = block_tables.to(torch.int64).contiguous()
     pos = positions.reshape(b).to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    lib = _library()
-    fn = lib.paged_decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_attention_f32
-    fn(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(), pos.data_ptr(), out.data_ptr(),
-       b, heads, kv_heads, d, block_size, tables.shape[1], scale)
+    _library().paged_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(),
+                                      pos.data_ptr(), out.data_ptr(), b, heads, kv_heads, d, block_size,
+                                      tables.shape[1], scale, int(q.dtype == torch.bfloat16))
     return out
 
 

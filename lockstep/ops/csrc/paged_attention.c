@@ -268,28 +268,19 @@ static inline void attend(const void *q, const void *k_pool, const void *v_pool,
     }
 }
 
-void paged_decode_attention_bf16(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
-                                 const int64_t *positions, void *out, int64_t batch, int64_t heads,
-                                 int64_t kv_heads, int64_t d, int64_t block_size, int64_t table_width, float scale) {
+/* is_bf16: q, pools and out are bf16 (else fp32) */
+void paged_decode_attention(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
+                            const int64_t *positions, void *out, int64_t batch, int64_t heads, int64_t kv_heads,
+                            int64_t d, int64_t block_size, int64_t table_width, float scale, int is_bf16) {
 #ifdef __AVX512F__
     if (heads / kv_heads <= MAX_GROUPS && d / LANES <= MAX_CHUNKS) {
         attend_avx512(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size, table_width,
-                      scale, 1);
+                      scale, is_bf16);
         return;
     }
 #endif
-    attend(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size, table_width, scale, 1);
-}
-
-void paged_decode_attention_f32(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
-                                const int64_t *positions, void *out, int64_t batch, int64_t heads,
-                                int64_t kv_heads, int64_t d, int64_t block_size, int64_t table_width, float scale) {
-#ifdef __AVX512F__
-    if (heads / kv_heads <= MAX_GROUPS && d / LANES <= MAX_CHUNKS) {
-        attend_avx512(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size, table_width,
-                      scale, 0);
-        return;
-    }
-#endif
-    attend(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size, table_width, scale, 0);
+    if (is_bf16) /* literal flags: each call inlines a copy of attend() without the per-element branch */
+        attend(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size, table_width, scale, 1);
+    else
+        attend(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size, table_width, scale, 0);
 }
