@@ -98,7 +98,7 @@ def _lockstep_parallel_config(plan: Plan, model: nn.Module) -> tuple[tuple[Any, 
 
 
 def _shard_lockstep(model: nn.Module, plan: Plan, pcfg, dims) -> tuple[str, bool, str]:
-    from lockstep.models.common.parallelize import parallelize_dense
+    from lockstep.parallel.parallelize import parallelize_dense
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # slicing a flattened dim from the root mesh
@@ -114,7 +114,7 @@ def _shard_mesh(model: nn.Module, plan: Plan, stage: int) -> tuple[str, bool, st
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from lockstep.models.common.parallelize import apply_dense_tp
+    from lockstep.parallel.parallelize import apply_dense_tp
 
     L = plan.layout
     names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")

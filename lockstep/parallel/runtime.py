@@ -53,7 +53,7 @@ class ParallelRuntime:
         With pp > 1 the model is split into stages run by ``self.pipeline`` (a PipelineRunner);
         the returned module then holds this rank's stages (for the optimizer and mode switches).
         """
-        from lockstep.models.common.parallelize import parallelize_dense
+        from lockstep.parallel.parallelize import parallelize_dense
 
         if self.dims.pp == 1:
             model = parallelize_dense(model, self.dims, self.mesh, config, activation_checkpoint)
