@@ -1,6 +1,6 @@
 """The parallelize plan of the dense decoder (llama3, qwen3): TP/SP layout and FSDP units.
 
-Kept beside the model but outside its code: the model never sees a mesh. TP follows the Megatron
+Applied from outside the model (the model never sees a mesh). TP follows the Megatron
 split (q/k/v and w1/w3 column-wise, wo and w2 row-wise) with sequence parallel norms between, the
 embedding output sharded on the sequence, and the head's logits left sharded on the vocabulary for
 loss-parallel cross-entropy.
