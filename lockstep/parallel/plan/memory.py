@@ -8,7 +8,7 @@ the fp32 router input, the top_k gathered token copies with their expert hidden 
 outputs. ``selective`` keeps matmul and attention outputs plus the block input; ``full`` keeps the
 block input and recomputes one block at a time.
 
-FSDP units (:func:`_units`) and the FSDP transient (:func:`_fsdp_transient`): two gathered units
+FSDP units (:func:`fsdp_units`) and the FSDP transient (:func:`fsdp_transient_bytes`): two gathered units
 in the compute dtype for prefetch, plus the unsharded gradients of one unit before its
 reduce-scatter.
 """
@@ -19,7 +19,11 @@ from typing import Any
 
 from torch import nn
 
-from lockstep.parallel.plan_layout import ParamPlacement, _module_kinds
+from lockstep.models.common.attention import GroupedQueryAttention as GQA
+from lockstep.models.common.mla import MultiHeadLatentAttention as MLA
+from lockstep.models.common.mlp import SwiGLU
+from lockstep.models.common.moe import MoE
+from lockstep.parallel.plan.layout import ParamPlacement
 
 
 def _linear_out(m: nn.Module | None) -> int:
@@ -29,7 +33,6 @@ def _linear_out(m: nn.Module | None) -> int:
 def _attention_widths(att: nn.Module, dim: int, ac: str) -> tuple[float, float]:
     """(saved elements per token in the compute dtype, saved fp32 bytes per token) of attention,
     excluding its norm input (counted by the block)."""
-    GQA, MLA, _, _, _ = _module_kinds()
     if isinstance(att, GQA):
         q, kv, o = att.n_heads * att.head_dim, att.n_kv_heads * att.head_dim, att.n_heads * att.head_dim
         lse = 4 * att.n_heads
@@ -52,7 +55,6 @@ def _attention_widths(att: nn.Module, dim: int, ac: str) -> tuple[float, float]:
 
 def _ffn_widths(ffn: nn.Module, dim: int, ac: str) -> tuple[float, float]:
     """Same as :func:`_attention_widths` for a feed-forward (dense SwiGLU or MoE)."""
-    _, _, SwiGLU, MoE, _ = _module_kinds()
     if isinstance(ffn, SwiGLU):
         f = ffn.w1.out_features
         return (2 * f + dim, 0.0) if ac == "selective" else (dim + 4 * f, 0.0)
@@ -85,7 +87,8 @@ def block_activation_bytes(block: nn.Module, dim: int, compute_bytes: int, ac: s
 
 
 
-def _units(params: list[ParamPlacement], pb: int, gb: int, cb: int) -> dict[str, dict[str, Any]]:
+def fsdp_units(params: list[ParamPlacement], pb: int, gb: int, cb: int) -> dict[str, dict[str, Any]]:
+    """FSDP units of a stage (``layers.i``, ``mtp.k``, root): sharded / gathered numel and bytes per rank."""
     units: dict[str, dict[str, Any]] = {}
     for p in params:
         u = units.setdefault(p.unit, {"fsdp": p.fsdp, "group": "dp_shard/ep" if p.ep > 1 else "dp_shard",
@@ -103,7 +106,7 @@ def _units(params: list[ParamPlacement], pb: int, gb: int, cb: int) -> dict[str,
     return units
 
 
-def _fsdp_transient(units: dict[str, dict[str, Any]], reshard: bool) -> float:
+def fsdp_transient_bytes(units: dict[str, dict[str, Any]], reshard: bool) -> float:
     """Gathered-parameter and unsharded-gradient buffers FSDP holds at its peak."""
     sharded = [u for u in units.values() if u["fsdp"] > 1]
     if not sharded:

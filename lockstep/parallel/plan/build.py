@@ -4,14 +4,14 @@ Memory per rank (the rank with dp/ep/tp index 0 of a stage, which holds the larg
 parameters (``--param-dtype``), gradients (``--grad-dtype``), AdamW states (2 fp32 moments, plus an
 fp32 master copy when parameters are bf16 unless ``--no-master-weights``), buffers (rope tables,
 MoE selection biases: never sharded), the FSDP transient and activations
-(:mod:`lockstep.parallel.plan_memory`):
+(:mod:`lockstep.parallel.plan.memory`):
 
     per block ~ tokens_mb x (sum of saved widths) x bytes / tp     (k = saved bytes / dim is printed)
 
 The last stage adds the logits (``tokens_mb x vocab / tp x (compute + 4 fp32) bytes``). A stage
 holds the activations of the micro-batches in flight: 1 without PP, ``min(M, pp - stage)`` for
 1F1B, ``M`` for GPipe. The report shows every stage and details the worst one (largest memory),
-with its collectives (:mod:`lockstep.parallel.plan_collectives`).
+with its collectives (:mod:`lockstep.parallel.plan.collectives`).
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from lockstep.parallel.plan_collectives import Collective, _collectives
-from lockstep.parallel.plan_format import _format
-from lockstep.parallel.plan_layout import (AC_MODES, DTYPE_BYTES, SCHEDULES, Layout, ParamPlacement, _dtype, _fail,
-                                           _ffn_is_moe, _module_kinds, place_parameters)
-from lockstep.parallel.plan_memory import _fsdp_transient, _units, block_activation_bytes
+from lockstep.models.common.attention import GroupedQueryAttention as GQA
+from lockstep.models.common.moe import MoE
+from lockstep.parallel.plan.collectives import Collective, step_collectives
+from lockstep.parallel.plan.report import format_plan
+from lockstep.parallel.plan.layout import (AC_MODES, DTYPE_BYTES, SCHEDULES, Layout, ParamPlacement, flag_error,
+                                           ffn_is_moe, parse_dtype, place_parameters)
+from lockstep.parallel.plan.memory import fsdp_transient_bytes, fsdp_units, block_activation_bytes
 
 if TYPE_CHECKING:
     from lockstep.models.common.transformer import TransformerConfig
@@ -152,7 +154,7 @@ class Plan:
         }
 
     def format(self) -> str:
-        return _format(self)
+        return format_plan(self)
 
 
 def _microbatches(layout: Layout, batch: int, microbatches: int | None, schedule: str) -> int:
@@ -164,26 +166,25 @@ def _microbatches(layout: Layout, batch: int, microbatches: int | None, schedule
             return layout.pp
         if local >= layout.pp or schedule == "GPipe":
             return local
-        _fail("--batch-size", f"{batch} gives {local} sequence(s) per data-parallel rank, fewer than the "
-              f"pp={layout.pp} micro-batches 1F1B needs: use at least {layout.pp * layout.dp}")
+        flag_error("--batch-size", f"{batch} gives {local} sequence(s) per data-parallel rank, fewer than the "
+                   f"pp={layout.pp} micro-batches 1F1B needs: use at least {layout.pp * layout.dp}")
     if microbatches < 1:
-        _fail("--microbatches", f"must be >= 1, got {microbatches}")
+        flag_error("--microbatches", f"must be >= 1, got {microbatches}")
     if local % microbatches:
-        _fail("--microbatches", f"{microbatches} does not divide the {local} sequences per data-parallel rank")
+        flag_error("--microbatches", f"{microbatches} does not divide the {local} sequences per data-parallel rank")
     if schedule == "1F1B" and layout.pp > 1 and microbatches < layout.pp:
-        _fail("--microbatches", f"1F1B needs at least pp={layout.pp} micro-batches, got {microbatches}")
+        flag_error("--microbatches", f"1F1B needs at least pp={layout.pp} micro-batches, got {microbatches}")
     return microbatches
 
 
 def _validate_model(model: nn.Module, layout: Layout, seq_len: int) -> None:
-    GQA, _, _, MoE, _ = _module_kinds()
     cfg = model.config
     n_layers = len(model.layers)
     if layout.pp > n_layers:
-        _fail("--pp", f"{layout.pp} stages need at least one layer each; the model has {n_layers} layers")
+        flag_error("--pp", f"{layout.pp} stages need at least one layer each; the model has {n_layers} layers")
     if layout.pp > 1 and cfg.tie_embeddings:
-        _fail("--pp", "tied embeddings (model.tie_embeddings) put one weight on the first and the last stage; "
-              "lockstep's pipeline refuses them: untie them or use pp=1")
+        flag_error("--pp", "tied embeddings (model.tie_embeddings) put one weight on the first and the last stage; "
+                   "lockstep's pipeline refuses them: untie them or use pp=1")
     if layout.tp > 1:
         att = model.layers[next(iter(model.layers))].attention
         heads = [("model.n_heads", cfg.n_heads)]
@@ -192,16 +193,17 @@ def _validate_model(model: nn.Module, layout: Layout, seq_len: int) -> None:
         heads.append(("model.vocab_size", cfg.vocab_size))
         for name, value in heads:
             if value % layout.tp:
-                _fail("--tp", f"{layout.tp} does not divide {name}={value}")
+                flag_error("--tp", f"{layout.tp} does not divide {name}={value}")
         if seq_len % layout.tp:
-            _fail("--tp", f"{layout.tp} does not divide --seq-len={seq_len} (sequence parallel splits the sequence)")
+            flag_error("--tp", f"{layout.tp} does not divide --seq-len={seq_len} "
+                       "(sequence parallel splits the sequence)")
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if layout.ep > 1:
         if not moes:
-            _fail("--ep", f"{layout.ep} > 1 but {cfg.family} {cfg.flavor} has no routed experts")
+            flag_error("--ep", f"{layout.ep} > 1 but {cfg.family} {cfg.flavor} has no routed experts")
         for m in moes:
             if m.n_experts % layout.ep:
-                _fail("--ep", f"{layout.ep} does not divide n_routed_experts={m.n_experts}")
+                flag_error("--ep", f"{layout.ep} does not divide n_routed_experts={m.n_experts}")
 
 
 def build_meta_model(config: TransformerConfig) -> nn.Module:
@@ -219,24 +221,24 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
     optimizer step (default: one sequence per micro-batch per data-parallel rank). Pass ``model`` (a
     meta build of ``config``) to reuse one. Raises ConfigError naming the flag that is wrong."""
     layout = layout.resolve()
-    param_dtype, grad_dtype = _dtype(param_dtype, "--param-dtype"), _dtype(grad_dtype, "--grad-dtype")
-    compute_dtype = _dtype(compute_dtype or param_dtype, "--compute-dtype")
+    param_dtype, grad_dtype = parse_dtype(param_dtype, "--param-dtype"), parse_dtype(grad_dtype, "--grad-dtype")
+    compute_dtype = parse_dtype(compute_dtype or param_dtype, "--compute-dtype")
     if activation_checkpoint not in AC_MODES:
-        _fail("--activation-checkpoint", f"must be one of {list(AC_MODES)}, got {activation_checkpoint!r}")
+        flag_error("--activation-checkpoint", f"must be one of {list(AC_MODES)}, got {activation_checkpoint!r}")
     if pp_schedule not in SCHEDULES:
-        _fail("--pp-schedule", f"must be one of {list(SCHEDULES)} (single-stage-per-rank schedules), "
-              f"got {pp_schedule!r}")
+        flag_error("--pp-schedule", f"must be one of {list(SCHEDULES)} (single-stage-per-rank schedules), "
+                   f"got {pp_schedule!r}")
     if reshard_after_forward not in ("always", "never"):
-        _fail("--reshard-after-forward", f"must be always or never, got {reshard_after_forward!r}")
+        flag_error("--reshard-after-forward", f"must be always or never, got {reshard_after_forward!r}")
     if seq_len < 1:
-        _fail("--seq-len", f"must be >= 1, got {seq_len}")
+        flag_error("--seq-len", f"must be >= 1, got {seq_len}")
     if seq_len > config.max_seq_len:
-        _fail("--seq-len", f"{seq_len} exceeds model.max_seq_len={config.max_seq_len}")
+        flag_error("--seq-len", f"{seq_len} exceeds model.max_seq_len={config.max_seq_len}")
     if batch_size is None:
         batch_size = layout.dp * (microbatches or (layout.pp if layout.pp > 1 else 1))
     if batch_size < 1 or batch_size % layout.dp:
-        _fail("--batch-size", f"{batch_size} is not a positive multiple of the {layout.dp} data-parallel ranks "
-              f"(dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard})")
+        flag_error("--batch-size", f"{batch_size} is not a positive multiple of the {layout.dp} data-parallel ranks "
+                   f"(dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard})")
     m_count = _microbatches(layout, batch_size, microbatches, pp_schedule)
     mb = batch_size // layout.dp // m_count
 
@@ -265,7 +267,7 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
     for name, block in blocks.items():
         saved, transient = block_activation_bytes(block, dim, cb, activation_checkpoint)
         block_kinds[name] = (saved, transient)
-        kind = "moe" if _ffn_is_moe(block) else "dense"
+        kind = "moe" if ffn_is_moe(block) else "dense"
         k_report.setdefault(f"{kind}_block", round(saved / dim, 2))
         if activation_checkpoint == "full":
             k_report.setdefault(f"{kind}_block_recompute", round(transient / dim, 2))
@@ -307,13 +309,13 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
             n_heads_out = 1 + (len(model.mtp) if getattr(model, "mtp", None) is not None else 0)
             saved += n_heads_out * head_bytes + (n_heads_out - 1) * 5 * dim * cb  # MTP: norms, concat, proj
         act = tokens * (in_flight * saved + transient) / tp
-        units = _units(sp, pb, gb, cb)
-        transient_fsdp = _fsdp_transient(units, reshard_after_forward == "always")
+        units = fsdp_units(sp, pb, gb, cb)
+        transient_fsdp = fsdp_transient_bytes(units, reshard_after_forward == "always")
         stage = StagePlan(stage=s, layers=r, params=sp, param_numel=padded, param_numel_exact=exact,
                           param_bytes=padded * pb, grad_bytes=padded * gb, optimizer_bytes=padded * opt_per,
                           buffer_bytes=buffers[s], activation_bytes=act, fsdp_transient_bytes=transient_fsdp,
                           in_flight_microbatches=in_flight, units=units)
-        stage.collectives = _collectives(stage, model, names, settings)
+        stage.collectives = step_collectives(stage, model, names, settings)
         stages.append(stage)
 
     if layout.pp > 1 and getattr(model, "mtp", None) is not None:

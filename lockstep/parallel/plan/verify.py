@@ -21,9 +21,12 @@ import torch
 from torch import nn
 
 from lockstep.config.base import ConfigError
+from lockstep.models.common.attention import GroupedQueryAttention as GQA
+from lockstep.models.common.mlp import SwiGLU
+from lockstep.models.common.moe import GroupedExperts
 from lockstep.parallel.pipeline import layer_ranges
-from lockstep.parallel.plan_build import Plan, build_meta_model
-from lockstep.parallel.plan_layout import _fail, _module_kinds
+from lockstep.parallel.plan.build import Plan, build_meta_model
+from lockstep.parallel.plan.layout import flag_error
 
 if TYPE_CHECKING:
     from lockstep.models.common.transformer import TransformerConfig
@@ -38,7 +41,7 @@ def verify_fsdp(plan: Plan, config: TransformerConfig, stage: int | None = None)
     L = plan.layout
     stage = plan.worst.stage if stage is None else stage
     if not 0 <= stage < L.pp:
-        _fail("--verify-stage", f"must be in [0, pp={L.pp}), got {stage}")
+        flag_error("--verify-stage", f"must be in [0, pp={L.pp}), got {stage}")
     if dist.is_initialized():
         raise RuntimeError("--verify-fsdp: a process group is already initialised here; run it in a fresh process")
     rank = L.first_rank_of_stage(stage)
@@ -68,7 +71,6 @@ def verify_fsdp(plan: Plan, config: TransformerConfig, stage: int | None = None)
 
 
 def _is_dense(model: nn.Module) -> bool:
-    GQA, _, SwiGLU, _, _ = _module_kinds()
     return all(isinstance(b.attention, GQA) and isinstance(b.feed_forward, SwiGLU) for b in model.layers.values())
 
 
@@ -147,7 +149,6 @@ def _shard_mesh(model: nn.Module, plan: Plan, stage: int) -> tuple[str, bool, st
             model.mtp = None
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if plan.compute_dtype == "bf16" else torch.float32,
                                   reduce_dtype=torch.float32)
-    GroupedExperts = _module_kinds()[4]
     blocks = list(model.layers.values()) + (list(model.mtp.values()) if getattr(model, "mtp", None) else [])
     for block in blocks:
         for mod in block.modules():

@@ -7,9 +7,9 @@ import json
 from typing import Any
 
 from lockstep.config.base import ConfigError
-from lockstep.parallel.plan_build import Plan, build_plan
-from lockstep.parallel.plan_layout import AC_MODES, SCHEDULES, Layout, _fail
-from lockstep.parallel.plan_verify import verify_fsdp
+from lockstep.parallel.plan.build import Plan, build_plan
+from lockstep.parallel.plan.layout import AC_MODES, SCHEDULES, Layout, flag_error
+from lockstep.parallel.plan.verify import verify_fsdp
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any, argparse.Namespace]:
     defaults: dict[str, Any] = {}
     if args.recipe:
         if args.family or args.flavor:
-            _fail("--recipe", "give either --recipe or --family/--flavor, not both")
+            flag_error("--recipe", "give either --recipe or --family/--flavor, not both")
         from lockstep.recipes import get_recipe
 
         cfg = get_recipe(args.recipe).config()
@@ -67,12 +67,12 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any, argparse.Namespace]:
                         if par.reshard_after_forward in ("always", "never") else "always")
     else:
         if not (args.family and args.flavor):
-            _fail("--family", "give --recipe NAME, or --family F and --flavor V")
+            flag_error("--family", "give --recipe NAME, or --family F and --flavor V")
         from lockstep.models.registry import model_config
 
         config = model_config(args.family, args.flavor)
     if args.world is None:
-        _fail("--world", "the number of ranks is required")
+        flag_error("--world", "the number of ranks is required")
 
     def pick(name: str, fallback: Any) -> Any:
         value = getattr(args, name)

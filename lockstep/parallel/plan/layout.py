@@ -18,7 +18,7 @@
   block (``layers.i``, ``mtp.k``) plus the root (embedding, norm, head). **HSDP** replicas
   (``dp_replicate``) each hold a full copy and all-reduce gradients across replicas.
 
-Also the dtype / flag helpers the other ``plan_*`` modules share (:func:`_dtype`, :func:`_fail`).
+Also the dtype / flag helpers the other plan modules share (:func:`parse_dtype`, :func:`flag_error`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,15 @@ import dataclasses
 import math
 import re
 from collections.abc import Iterable
+from typing import NoReturn
 
 import torch
 from torch import nn
 
+from lockstep.models.common.attention import GroupedQueryAttention as GQA
+from lockstep.models.common.mla import MultiHeadLatentAttention as MLA
+from lockstep.models.common.mlp import SwiGLU
+from lockstep.models.common.moe import GroupedExperts, MoE
 from lockstep.parallel.pipeline import layer_ranges  # the split the runner uses
 from lockstep.config.base import ConfigError
 
@@ -41,14 +46,16 @@ AC_MODES = ("none", "selective", "full")
 ROOT_UNIT = "root"
 
 
-def _dtype(name: str, flag: str) -> str:
+def parse_dtype(name: str, flag: str) -> str:
+    """The canonical dtype name (``fp32`` / ``bf16``) of ``name``; a ConfigError naming ``flag`` otherwise."""
     key = str(name).lower()
     if key not in _DTYPE_ALIASES:
         raise ConfigError(f"{flag}: must be one of bf16, fp32 (or bfloat16, float32), got {name!r}")
     return _DTYPE_ALIASES[key]
 
 
-def _fail(flag: str, message: str) -> None:
+def flag_error(flag: str, message: str) -> NoReturn:
+    """Raise the ConfigError of a wrong command-line flag (``--flag: message``)."""
     raise ConfigError(f"{flag}: {message}")
 
 
@@ -71,28 +78,28 @@ class Layout:
     def resolve(self) -> "Layout":
         """The layout with ``dp_shard`` filled in; ConfigError naming the degree otherwise."""
         if self.world < 1:
-            _fail("--world", f"must be >= 1, got {self.world}")
+            flag_error("--world", f"must be >= 1, got {self.world}")
         for flag, value in (("--pp", self.pp), ("--dp-replicate", self.dp_replicate), ("--tp", self.tp),
                             ("--ep", self.ep)):
             if value < 1:
-                _fail(flag, f"must be >= 1, got {value}")
+                flag_error(flag, f"must be >= 1, got {value}")
         if self.dp_shard != -1 and self.dp_shard < 1:
-            _fail("--dp-shard", f"must be >= 1 or -1 (auto), got {self.dp_shard}")
+            flag_error("--dp-shard", f"must be >= 1 or -1 (auto), got {self.dp_shard}")
         others = self.pp * self.dp_replicate * self.tp
         if self.dp_shard == -1:
             if self.world % others:
-                _fail("--world", f"{self.world} is not divisible by pp={self.pp} x dp_replicate="
-                      f"{self.dp_replicate} x tp={self.tp} = {others}, so --dp-shard=-1 (auto) has no whole value")
+                flag_error("--world", f"{self.world} is not divisible by pp={self.pp} x dp_replicate="
+                           f"{self.dp_replicate} x tp={self.tp} = {others}, so --dp-shard=-1 (auto) has no whole value")
             dp_shard = self.world // others
         else:
             dp_shard = self.dp_shard
         product = others * dp_shard
         if product != self.world:
-            _fail("--world", f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x "
-                  f"tp={self.tp} = {product}, but the world size is {self.world}")
+            flag_error("--world", f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x "
+                       f"tp={self.tp} = {product}, but the world size is {self.world}")
         if dp_shard % self.ep:
-            _fail("--ep", f"{self.ep} does not divide --dp-shard={dp_shard} (expert-parallel ranks are taken "
-                  "from the FSDP dim; experts are FSDP-sharded over dp_shard / ep)")
+            flag_error("--ep", f"{self.ep} does not divide --dp-shard={dp_shard} (expert-parallel ranks are taken "
+                       "from the FSDP dim; experts are FSDP-sharded over dp_shard / ep)")
         return dataclasses.replace(self, dp_shard=dp_shard)
 
     @property
@@ -190,19 +197,9 @@ class ParamPlacement:
         return self.padded_numel * self.fsdp
 
 
-def _module_kinds():
-    from lockstep.models.common.attention import GroupedQueryAttention
-    from lockstep.models.common.mla import MultiHeadLatentAttention
-    from lockstep.models.common.mlp import SwiGLU
-    from lockstep.models.common.moe import MoE, GroupedExperts
-
-    return GroupedQueryAttention, MultiHeadLatentAttention, SwiGLU, MoE, GroupedExperts
-
-
 def _tp_rule(mod_name: str, mod: nn.Module, pname: str, parent: nn.Module | None,
              p: torch.Tensor) -> tuple[str, int | None]:
     """(kind, TP-split dim or None) of parameter ``pname`` of ``mod``."""
-    GQA, MLA, SwiGLU, MoE, GroupedExperts = _module_kinds()
     leaf = mod_name.rsplit(".", 1)[-1]
     if isinstance(mod, nn.Embedding):
         return "embedding", 0
@@ -261,7 +258,7 @@ def place_parameters(model: nn.Module, layout: Layout) -> tuple[list[ParamPlacem
                 stage, unit = last, ROOT_UNIT
             tp = layout.tp if tp_dim is not None else 1
             if tp_dim is not None and p.shape[tp_dim] % layout.tp:
-                _fail("--tp", f"{layout.tp} does not divide dim {tp_dim} (={p.shape[tp_dim]}) of {name}")
+                flag_error("--tp", f"{layout.tp} does not divide dim {tp_dim} (={p.shape[tp_dim]}) of {name}")
             ep, fsdp, fsdp_dim = 1, layout.dp_shard, 0
             if kind == "experts" and layout.ep > 1:
                 ep, fsdp = layout.ep, layout.expert_fsdp
@@ -271,11 +268,11 @@ def place_parameters(model: nn.Module, layout: Layout) -> tuple[list[ParamPlacem
             out.append(ParamPlacement(name=name, shape=tuple(p.shape), kind=kind, stage=stage, unit=unit,
                                       tp_dim=tp_dim, tp=tp, ep=ep, fsdp_dim=fsdp_dim, fsdp=fsdp))
     if unknown:
-        notes.append(f"TP-replicated (no TP rule): {_compress(unknown)}")
+        notes.append(f"TP-replicated (no TP rule): {compress_names(unknown)}")
     return out, ranges, notes
 
 
-def _compress(names: Iterable[str], limit: int = 4) -> str:
+def compress_names(names: Iterable[str], limit: int = 4) -> str:
     """``layers.3.x, layers.4.x`` -> ``layers.{3..4}.x``; at most ``limit`` patterns."""
     groups: dict[str, list[int]] = {}
     for n in names:
@@ -294,5 +291,6 @@ def _compress(names: Iterable[str], limit: int = 4) -> str:
 
 
 
-def _ffn_is_moe(block: nn.Module) -> bool:
-    return isinstance(block.feed_forward, _module_kinds()[3])
+def ffn_is_moe(block: nn.Module) -> bool:
+    """Whether ``block``'s feed-forward is a routed-expert MoE."""
+    return isinstance(block.feed_forward, MoE)

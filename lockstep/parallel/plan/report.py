@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lockstep.parallel.plan_layout import DTYPE_BYTES
+from lockstep.parallel.plan.layout import DTYPE_BYTES
 
 if TYPE_CHECKING:
-    from lockstep.parallel.plan_build import Plan
+    from lockstep.parallel.plan.build import Plan
 
 
 def fmt_bytes(n: float) -> str:
@@ -25,7 +25,8 @@ def _fmt_count(n: float) -> str:
     return str(int(n))
 
 
-def _format(plan: Plan) -> str:
+def format_plan(plan: Plan) -> str:
+    """The text report of ``plan`` (every stage, the worst one in detail, ``--verify-fsdp`` results)."""
     L, w = plan.layout, plan.worst
     pb = DTYPE_BYTES[plan.param_dtype]
     lines = [f"lockstep plan: {plan.family} {plan.flavor} on {L.world} ranks"]

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from lockstep.parallel.plan_layout import Layout, _compress, _ffn_is_moe
+from lockstep.parallel.plan.layout import Layout, compress_names, ffn_is_moe
 
 if TYPE_CHECKING:
-    from lockstep.parallel.plan_build import StagePlan
+    from lockstep.parallel.plan.build import StagePlan
 
 
 @dataclasses.dataclass
@@ -66,7 +66,9 @@ class Collective:
 
 
 
-def _collectives(stage: StagePlan, model: nn.Module, block_names: list[str], st: dict[str, Any]) -> list[Collective]:
+def step_collectives(stage: StagePlan, model: nn.Module, block_names: list[str],
+                     st: dict[str, Any]) -> list[Collective]:
+    """The collectives of one optimizer step on ``stage`` (FSDP, TP, EP, PP), from the settings ``st``."""
     L: Layout = st["layout"]
     T, cb, gb, M = st["tokens"], st["cb"], st["gb"], st["M"]
     dim = model.config.dim
@@ -80,7 +82,7 @@ def _collectives(stage: StagePlan, model: nn.Module, block_names: list[str], st:
                u["sharded_numel"])
         grouped.setdefault(key, []).append(name)
     for (group, n, gathered, ungrad, sharded_numel), names in grouped.items():
-        label = f"{_compress(names, 2)} (x{len(names)})" if len(names) > 1 else names[0]
+        label = f"{compress_names(names, 2)} (x{len(names)})" if len(names) > 1 else names[0]
         k = len(names)
         if n > 1:
             out.append(Collective("all-gather", group, n, f"FSDP params fwd: {label}", gathered, k * M))
@@ -112,7 +114,7 @@ def _collectives(stage: StagePlan, model: nn.Module, block_names: list[str], st:
             out.append(Collective("all-reduce", "tp", L.tp, "grads of TP-replicated params (norms, router, ...)",
                                   rep * gb, M))
     if L.ep > 1:
-        moe_blocks = [n for n in block_names if _ffn_is_moe(_get(model, n))]
+        moe_blocks = [n for n in block_names if ffn_is_moe(_get(model, n))]
         if moe_blocks:
             top_k = _get(model, moe_blocks[0]).feed_forward.top_k
             size = T * top_k * dim * cb

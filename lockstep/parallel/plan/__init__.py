@@ -11,14 +11,14 @@ shapes against a real sharded build under a fake process group.
 
 This module is the public entry point; the work is split by job, one module each:
 
-* :mod:`lockstep.parallel.plan_layout`: :class:`Layout` and :func:`place_parameters` (which stage,
+* :mod:`lockstep.parallel.plan.layout`: :class:`Layout` and :func:`place_parameters` (which stage,
   FSDP unit and TP / EP / FSDP split each parameter gets).
-* :mod:`lockstep.parallel.plan_memory`: activation bytes per block, FSDP units and their transient.
-* :mod:`lockstep.parallel.plan_collectives`: :class:`Collective` and the collectives of one step.
-* :mod:`lockstep.parallel.plan_build`: :class:`StagePlan`, :class:`Plan` and :func:`build_plan`.
-* :mod:`lockstep.parallel.plan_format`: the text report (:func:`fmt_bytes`).
-* :mod:`lockstep.parallel.plan_verify`: :func:`verify_fsdp` (``--verify-fsdp``).
-* :mod:`lockstep.parallel.plan_cli`: :func:`cmd_plan` and ``python -m lockstep.parallel.plan``.
+* :mod:`lockstep.parallel.plan.memory`: activation bytes per block, FSDP units and their transient.
+* :mod:`lockstep.parallel.plan.collectives`: :class:`Collective` and the collectives of one step.
+* :mod:`lockstep.parallel.plan.build`: :class:`StagePlan`, :class:`Plan` and :func:`build_plan`.
+* :mod:`lockstep.parallel.plan.report`: the text report (:func:`fmt_bytes`).
+* :mod:`lockstep.parallel.plan.verify`: :func:`verify_fsdp` (``--verify-fsdp``).
+* :mod:`lockstep.parallel.plan.cli`: :func:`cmd_plan` and ``python -m lockstep.parallel.plan``.
 
 Use :func:`build_plan` from Python, or ``cmd_plan(argv)`` (``lockstep plan``).
 """
@@ -26,20 +26,17 @@ Use :func:`build_plan` from Python, or ``cmd_plan(argv)`` (``lockstep plan``).
 from __future__ import annotations
 
 from lockstep.parallel.pipeline import layer_ranges  # the split the runner uses
-from lockstep.parallel.plan_build import Plan, StagePlan, build_meta_model, build_plan
-from lockstep.parallel.plan_cli import cmd_plan, main, plan_from_args
-from lockstep.parallel.plan_collectives import Collective
-from lockstep.parallel.plan_format import fmt_bytes
-from lockstep.parallel.plan_layout import (AC_MODES, DTYPE_BYTES, ROOT_UNIT, SCHEDULES, Layout, ParamPlacement,
+from lockstep.parallel.plan.build import Plan, StagePlan, build_meta_model, build_plan
+from lockstep.parallel.plan.cli import cmd_plan, main, plan_from_args
+from lockstep.parallel.plan.collectives import Collective
+from lockstep.parallel.plan.report import fmt_bytes
+from lockstep.parallel.plan.layout import (AC_MODES, DTYPE_BYTES, ROOT_UNIT, SCHEDULES, Layout, ParamPlacement,
                                            place_parameters)
-from lockstep.parallel.plan_memory import block_activation_bytes
-from lockstep.parallel.plan_verify import verify_fsdp
+from lockstep.parallel.plan.memory import block_activation_bytes
+from lockstep.parallel.plan.verify import verify_fsdp
 
 __all__ = [
     "AC_MODES", "DTYPE_BYTES", "ROOT_UNIT", "SCHEDULES", "Collective", "Layout", "ParamPlacement", "Plan",
     "StagePlan", "block_activation_bytes", "build_meta_model", "build_plan", "cmd_plan", "fmt_bytes",
     "layer_ranges", "main", "place_parameters", "plan_from_args", "verify_fsdp",
 ]
-
-if __name__ == "__main__":
-    raise SystemExit(main())
