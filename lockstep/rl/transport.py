@@ -11,6 +11,14 @@
   version has arrived. Versions arrive in order: the k-th broadcast is version ``first + k``.
 - :func:`send_object` / :func:`recv_object`: a picklable object as a size tensor plus a byte tensor,
   point to point; :class:`ObjectSender` sends from a background thread so the generator can go on.
+
+**Devices.** Every byte buffer lives on the device the group's backend carries
+(:func:`transfer_device`): NCCL sends only CUDA tensors, gloo is meant for CPU tensors (it stages
+CUDA ones through host memory itself). So a CUDA model on an NCCL sync group broadcasts from and
+receives into CUDA buffers (pack/unpack are device copies, ordered on the current stream; NCCL's
+``wait()`` orders that stream after the collective without blocking the host), and a CUDA model on
+a gloo group packs into a CPU buffer. Objects (rollouts) travel as CPU bytes on a group that
+carries CPU tensors, else through the accelerator's.
 """
 
 from __future__ import annotations
@@ -26,6 +34,41 @@ from torch import nn
 _ALIGN = 64  # bytes: every tensor's slice starts aligned for any dtype's view
 
 
+def backend_devices(group: Any = None, config: str | None = None) -> dict[str, str]:
+    """Device type -> backend name of ``group`` (``dist.get_backend_config``, e.g. ``"cpu:gloo,cuda:nccl"``;
+    a bare ``"nccl"`` means CUDA, a bare ``"gloo"`` CPU and CUDA). ``config`` overrides the lookup (tests)."""
+    config = dist.get_backend_config(group) if config is None else config
+    out: dict[str, str] = {}
+    for part in config.split(","):
+        device, _, backend = part.strip().rpartition(":")
+        if device:
+            out[device] = backend
+        elif backend == "nccl":
+            out["cuda"] = backend
+        else:
+            out.update(cpu=backend, cuda=backend)
+    return out
+
+
+def transfer_device(group: Any, preferred: torch.device | str, config: str | None = None) -> torch.device:
+    """The device whose tensors ``group`` should carry for data living on ``preferred``.
+
+    ``preferred`` itself when the group's backend for it is native (CPU on any backend that takes
+    CPU tensors; an accelerator on a non-gloo backend such as NCCL); else CPU when the group takes
+    CPU tensors (gloo: a CUDA model stages through host memory); else the current device of the
+    accelerator the group carries (an NCCL-only group and CPU data)."""
+    preferred = torch.device(preferred)
+    backends = backend_devices(group, config)
+    if preferred.type in backends and (preferred.type == "cpu" or backends[preferred.type] != "gloo"):
+        return preferred
+    if "cpu" in backends:
+        return torch.device("cpu")
+    for device_type, backend in backends.items():
+        if backend != "gloo":
+            return torch.device(device_type, torch.get_device_module(device_type).current_device())
+    raise ValueError(f"transport: process group backends {backends} carry neither CPU tensors nor an accelerator's")
+
+
 def _unique_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of the state dict, sorted by name, each storage once (tied weights)."""
     seen, out = set(), []
@@ -39,9 +82,12 @@ def _unique_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 class FlatState:
-    """One byte buffer laid out for a model's state; pack/unpack copy bit-exactly."""
+    """One byte buffer laid out for a model's state; pack/unpack copy bit-exactly.
 
-    def __init__(self, model: nn.Module) -> None:
+    Buffers live on the device ``group`` carries for the model's state (:func:`transfer_device`;
+    no group: the model's device); pack/unpack copy across devices when the two differ."""
+
+    def __init__(self, model: nn.Module, group: Any = None) -> None:
         self.entries: list[tuple[str, torch.Tensor, int, int]] = []  # name, tensor, offset, nbytes
         offset = 0
         for name, tensor in _unique_tensors(model):
@@ -51,7 +97,10 @@ class FlatState:
             self.entries.append((name, tensor, offset, nbytes))
             offset += -(-nbytes // _ALIGN) * _ALIGN
         self.nbytes = offset
-        self.device = self.entries[0][1].device if self.entries else torch.device("cpu")
+        #: where the model's state lives (the first tensor's device)
+        self.model_device = self.entries[0][1].device if self.entries else torch.device("cpu")
+        #: where buffers live
+        self.device = self.model_device if group is None else transfer_device(group, self.model_device)
 
     def new_buffer(self) -> torch.Tensor:
         return torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
@@ -76,7 +125,7 @@ class WeightSender:
     """The trainer's end: ``send()`` after each optimizer step (rank ``src`` of ``group``)."""
 
     def __init__(self, model: nn.Module, group: Any, src: int = 0) -> None:
-        self.flat = FlatState(model)
+        self.flat = FlatState(model, group)
         self.buffer = self.flat.new_buffer()
         self.group, self.src = group, src
         self._work = None
@@ -104,7 +153,7 @@ class WeightReceiver:
     """A generator's end: versions ``first .. last`` arrive in order into two staging buffers."""
 
     def __init__(self, model: nn.Module, group: Any, *, first: int, last: int, src: int = 0) -> None:
-        self.flat = FlatState(model)
+        self.flat = FlatState(model, group)
         self.group, self.src = group, src
         self.version = first - 1  # nothing applied yet
         self.last = last
@@ -156,9 +205,10 @@ class WeightReceiver:
 
 def send_object(obj: Any, dst: int, group: Any = None, tag: int = 0) -> None:
     """Send a picklable object (blocking until the receiver has it)."""
+    device = transfer_device(group, "cpu")
     payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-    dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=dst, group=group, tag=tag)
-    dist.send(payload, dst=dst, group=group, tag=tag)
+    dist.send(torch.tensor([payload.numel()], dtype=torch.int64, device=device), dst=dst, group=group, tag=tag)
+    dist.send(payload.to(device), dst=dst, group=group, tag=tag)
 
 
 class ObjectSender:
@@ -192,8 +242,10 @@ class ObjectSender:
 
 
 def recv_object(src: int, group: Any = None, tag: int = 0) -> Any:
-    size = torch.zeros(1, dtype=torch.int64)
+    """Receive an object :func:`send_object` sent."""
+    device = transfer_device(group, "cpu")
+    size = torch.zeros(1, dtype=torch.int64, device=device)
     dist.recv(size, src=src, group=group, tag=tag)
-    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.recv(payload, src=src, group=group, tag=tag)
-    return pickle.loads(payload.numpy().tobytes())
+    return pickle.loads(payload.cpu().numpy().tobytes())

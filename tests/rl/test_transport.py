@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
 from lockstep.models.common.transformer import build_model
 from lockstep.models.registry import model_config
-from lockstep.rl.transport import FlatState
+from lockstep.rl.transport import FlatState, backend_devices, transfer_device
 
 
 class Mixed(nn.Module):
@@ -42,3 +43,36 @@ def test_flat_state_carries_a_whole_model_exactly():
     sd_src, sd_dst = src.state_dict(), dst.state_dict()
     assert sd_src.keys() == sd_dst.keys()
     assert all(torch.equal(sd_src[k], sd_dst[k]) for k in sd_src)
+
+
+# --- devices: where the byte buffers live (the group's backend decides; no GPU needed to test the rule)
+
+def test_backend_devices_parses_backend_configs():
+    assert backend_devices(config="cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert backend_devices(config="nccl") == {"cuda": "nccl"}
+    assert backend_devices(config="gloo") == {"cpu": "gloo", "cuda": "gloo"}
+
+
+def test_transfer_device_follows_the_backend(monkeypatch):
+    cuda1 = torch.device("cuda", 1)
+    # NCCL carries the CUDA model's own tensors; gloo gets CPU bytes (it would stage CUDA ones itself)
+    assert transfer_device(None, cuda1, config="cuda:nccl") == cuda1
+    assert transfer_device(None, cuda1, config="cpu:gloo,cuda:nccl") == cuda1
+    assert transfer_device(None, cuda1, config="cpu:gloo,cuda:gloo") == torch.device("cpu")
+    assert transfer_device(None, "cpu", config="cpu:gloo,cuda:nccl") == torch.device("cpu")
+    # CPU data on an NCCL-only group: the current CUDA device
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert transfer_device(None, "cpu", config="nccl") == torch.device("cuda", 3)
+    with pytest.raises(ValueError, match="carry neither"):
+        transfer_device(None, "cpu", config="xla:gloo")
+
+
+def test_flat_state_buffer_on_the_groups_device(monkeypatch):
+    model = Mixed()
+    assert FlatState(model).device == torch.device("cpu")  # no group: the model's device
+    import lockstep.rl.transport as transport
+
+    monkeypatch.setattr(transport.dist, "get_backend_config", lambda group=None: "cuda:nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    flat = FlatState(model, group=object())
+    assert flat.model_device == torch.device("cpu") and flat.device == torch.device("cuda", 0)
