@@ -16,6 +16,14 @@ batch is then padded to a power of two (at most ``max_batch_size``) and each con
 two blocks (null-block padding, masked), so each (batch, context) bucket compiles once.
 ``EngineConfig.weights_dtype`` runs a cast copy of the weights (:mod:`lockstep.generate.weights`);
 ``EngineConfig.pack_weights`` runs linears on prepacked weights (:mod:`lockstep.generate.packed`).
+
+**Devices.** The engine runs where the model is (``model.to("cuda")`` first): the KV-cache pools,
+each step's tokens, positions, slots and block tables, and the sampling tensors live on that device
+(step metadata is built on the CPU and copied once per step). The CPU C kernels (packed linears,
+in-place paged decode attention) are used only for a CPU model; elsewhere linears are ``F.linear``
+and attention gathers each context and runs the backend's cached variant (SDPA). Batch-invariant
+mode is CPU-only (:func:`check_batch_invariant_device`). Sampling draws from per-request CPU
+generators on every device (:mod:`lockstep.generate.sampling`), so a seed gives the same draws.
 """
 
 from __future__ import annotations
@@ -46,6 +54,18 @@ def tokenizer_eos_id(tokenizer: Any) -> int | None:
         if isinstance(value, int):
             return value
     return None
+
+
+def check_batch_invariant_device(device: torch.device, field: str = "engine.batch_invariant") -> None:
+    """Refuse batch-invariant mode off the CPU, naming ``field``. Its bitwise promise rests on the
+    CPU C kernels and on CPU kernel choices measured for the fixed-tile torch ops; on an accelerator
+    the library kernels (cuBLAS GEMMs, reductions such as RMSNorm's) choose how to split a row's sums
+    by the call's shape, so a row's bits would depend on its batch, and no kernel here fixes that."""
+    if device.type != "cpu":
+        raise ConfigError(
+            f"{field}: batch-invariant mode is CPU-only (its kernels fix a row's arithmetic order on the CPU; "
+            f"on {device.type} the library GEMMs and reductions split sums by the batch shape); run this engine on "
+            f"the CPU, or turn batch-invariant mode off (numerics.batch_invariant=false)")
 
 
 def _check_compilable(model: nn.Module) -> None:
@@ -79,15 +99,16 @@ class Engine:
         self.runner = runner = self._shadow.model if self._shadow is not None else model
         weight = runner.tok_embeddings.weight
         self.device, self.dtype = weight.device, weight.dtype
+        if config.batch_invariant:
+            check_batch_invariant_device(self.device)
+        on_cpu = self.device.type == "cpu"
         #: linears on prepacked weights (EngineConfig.pack_weights; bf16, and fp32 with AVX-512, on CPU)
-        kernel = linear_kernel(config.linear_kernel, self.dtype) if config.pack_weights else None
-        self._packed = (pack_linears(runner, config.max_batch_size, kernel)
-                        if kernel is not None and self.device.type == "cpu" and packable(runner) else [])
+        kernel = linear_kernel(config.linear_kernel, self.dtype) if config.pack_weights and on_cpu else None
+        self._packed = pack_linears(runner, config.max_batch_size, kernel) if kernel and packable(runner) else []
         self.vocab_size, self.max_seq_len = model.config.vocab_size, model.config.max_seq_len
         self.eos_id = tokenizer_eos_id(tokenizer) if tokenizer is not None else None
         self._modules = list(runner.modules())
-        self._attention = [m for m in self._modules if hasattr(m, "backend_name") and hasattr(m, "backend")]
-        self._prepared: tuple | None = None  # (batch-invariant switch, attention backends) prepared for
+        self._prepared = False  # numerics.prepare_model has run on the runner
         layouts = layer_layouts(runner)
         per_block = PagedKVCache.bytes_per_block(layouts, config.block_size, self.dtype)
         num_blocks = config.num_blocks or int(config.cache_memory_mb * 2**20 // per_block)
@@ -103,7 +124,7 @@ class Engine:
         self._next_id = 0
         self._decode_forward = self._forward_last
         self._compiled = config.compile_decode != "none"
-        #: (rows, context blocks, attention backends) buckets whose compiled step ran with every guard checked
+        #: (rows, context blocks) buckets whose compiled step ran with every guard checked
         self._guarded: set[tuple] = set()
         #: buckets where dynamo still asked to recompile with guards skipped: always checked in full
         self._unskippable: set[tuple] = set()
@@ -113,8 +134,6 @@ class Engine:
             options = {"freezing": True} if config.compile_decode == "inductor-frozen" else {}
             if self._packed and backend == "inductor":
                 options["post_grad_custom_post_pass"] = sibling_grouping_pass()
-            # one graph per (batch, context) bucket: up to log2(max_batch) x log2(max blocks), above dynamo's 8
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._decode_forward = torch.compile(self._forward_last, backend=backend, dynamic=False,
                                                  options=options)
 
@@ -207,15 +226,15 @@ class Engine:
         self._unskippable.clear()
 
     def _prepare(self) -> None:
-        """Before a step: sync cast weights, and make the kernels follow the batch-invariant switch as
-        it is now (``numerics.prepare_model``, a walk over every module: only when the switch or an
-        attention backend changed since the last step, e.g. another caller prepared the model)."""
+        """Before a step: sync cast weights; on the first step make the linears follow the
+        batch-invariant switch (``numerics.prepare_model``; attention layers read it themselves)."""
         if self._shadow is not None:
             self._shadow.sync()
-        key = (numerics.is_batch_invariant(), [m.backend_name for m in self._attention])
-        if key != self._prepared:
+        if numerics.is_batch_invariant():
+            check_batch_invariant_device(self.device, "numerics.batch_invariant")
+        if not self._prepared:
             numerics.prepare_model(self.runner)
-            self._prepared = (key[0], [m.backend_name for m in self._attention])
+            self._prepared = True
 
     def _step(self) -> list[StreamEvent]:
         self._prepare()
@@ -287,8 +306,8 @@ class Engine:
         valid = torch.arange(t)[None] < lengths[:, None]
         positions = torch.arange(t).expand(b, t) * valid
         tables = self._block_tables(seqs, -(-t // self.config.block_size))
-        self._set_step(tables, positions, valid)
-        h = self.runner.trunk(tokens.to(self.device), positions.to(self.device), cache=self.cache)[2]
+        positions = self._set_step(tables, positions, valid)
+        h = self.runner.trunk(tokens.to(self.device), positions, cache=self.cache)[2]
         last = h[torch.arange(b, device=self.device), (lengths - 1).to(self.device)]
         return self._sample(seqs, self.runner.output(last).float())
 
@@ -296,7 +315,7 @@ class Engine:
         b = len(seqs)
         # batch-invariant mode decodes uncompiled: its C kernels split a traced step into pieces
         # (they are opaque to dynamo), and the compiled pieces gave other numbers than eager
-        compiled = self._compiled and not self._prepared[0]
+        compiled = self._compiled and not numerics.is_batch_invariant()
         rows = self._bucket(b) if compiled else b
         tokens = torch.zeros(rows, 1, dtype=torch.long)
         positions = torch.zeros(rows, 1, dtype=torch.long)
@@ -307,29 +326,35 @@ class Engine:
             n_blocks = 1 << max(0, math.ceil(math.log2(n_blocks)))
         tables = self._block_tables(seqs, n_blocks, rows)
         valid = torch.arange(rows)[:, None] < b
-        self._set_step(tables, positions, valid)
-        tokens, positions = tokens.to(self.device), positions.to(self.device)
+        positions = self._set_step(tables, positions, valid)
+        tokens = tokens.to(self.device)
         if compiled:
-            logits = self._compiled_decode(tokens, positions, (rows, n_blocks, tuple(self._prepared[1])))
+            logits = self._compiled_decode(tokens, positions, (rows, n_blocks))
         else:
             logits = self._forward_last(tokens, positions)
         return self._sample(seqs, logits[:b])
 
     def _compiled_decode(self, tokens: torch.Tensor, positions: torch.Tensor, bucket: tuple) -> torch.Tensor:
-        """The compiled decode forward. A bucket (rows, context blocks, attention backends) that already
+        """The compiled decode forward. A bucket (rows, context blocks) that already
         ran with every guard checked runs with only the guards that tell cached graphs apart
         (``EngineConfig.skip_guard_checks``); should dynamo still want to recompile, the step reruns
         with full guards (it only rewrites the same cache slots with the same values) and the bucket
-        is never skipped again."""
-        if self.config.skip_guard_checks and bucket in self._guarded and bucket not in self._unskippable:
-            try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    return self._decode_forward(tokens, positions)
-            except RuntimeError as err:
-                if "skip_guard_eval_unsafe" not in str(err):
-                    raise
-                self._unskippable.add(bucket)
-        logits = self._decode_forward(tokens, positions)
+        is never skipped again.
+
+        One graph per bucket is up to log2(max batch) x log2(max blocks) graphs, above dynamo's default
+        recompile limit of 8: the limit is raised to 64 around these calls only (dynamo reads it when it
+        compiles, which happens inside them), not for the rest of the process."""
+        limit = max(torch._dynamo.config.recompile_limit, 64)
+        with torch._dynamo.config.patch(recompile_limit=limit):
+            if self.config.skip_guard_checks and bucket in self._guarded and bucket not in self._unskippable:
+                try:
+                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                        return self._decode_forward(tokens, positions)
+                except RuntimeError as err:
+                    if "skip_guard_eval_unsafe" not in str(err):
+                        raise
+                    self._unskippable.add(bucket)
+            logits = self._decode_forward(tokens, positions)
         self._guarded.add(bucket)  # ran with every guard checked: this bucket's graph is known
         return logits
 
@@ -343,12 +368,15 @@ class Engine:
             tables[i, : blocks.numel()] = blocks
         return tables
 
-    def _set_step(self, tables: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> None:
+    def _set_step(self, tables: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Hand the cache this step's metadata (built on the CPU, moved to the engine's device);
+        returns the positions on the device."""
         bs = self.config.block_size
         slots = tables.gather(1, positions // bs) * bs + positions % bs
         slots = slots * valid  # padding -> slot 0 of the null block
-        self.cache.set_step(StepMetadata(slots.reshape(-1).to(self.device), tables.to(self.device),
-                                         positions.to(self.device)))
+        positions = positions.to(self.device)
+        self.cache.set_step(StepMetadata(slots.reshape(-1).to(self.device), tables.to(self.device), positions))
+        return positions
 
     # ----------------------------------------------------------------- sampling
 

@@ -12,6 +12,11 @@ transformers' warpers), then inverse-CDF sampling with one uniform number per se
 that request's own ``torch.Generator`` (seeded from ``SamplingParams.seed``): a request's draws
 depend only on its seed and its own logits, never on which other requests share the batch. Greedy
 rows take ``argmax`` (the first index among exact ties, as ``torch.argmax`` does).
+
+**Devices.** Generators are CPU generators whatever device the logits are on: a request's uniforms
+are the same numbers on every device (one ``[N]`` copy to the logits' device per step), and a CUDA
+generator's stream would differ from the CPU's and could not be drawn from per row as cheaply.
+The rest of the draw (softmax, top-k/top-p, CDF search) runs on the logits' device.
 """
 
 from __future__ import annotations
