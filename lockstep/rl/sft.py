@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep.models.common.moe import apply_routing_updates
 from lockstep.parallel.grad import clip_grad_norm
 from lockstep.rl.config import RLConfig
 from lockstep.rl.rollout import Rollout, encode_text, prompt_ids
@@ -60,6 +61,7 @@ def sft_warmup(model: nn.Module, env: Any, config: RLConfig, *, tokenizer: Any, 
         loss.backward()
         clip_grad_norm(model.parameters(), config.training.max_grad_norm or float("inf"))
         optimizer.step()
+        apply_routing_updates(model)  # MoE routing-bias step
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
         if log is not None:

@@ -7,10 +7,16 @@ A ``MoEConfig`` builds a :class:`MoE`: a router (``gate`` Linear plus the DeepSe
 No token is ever dropped: every expert takes all the tokens routed to it.
 
 Each forward records expert-load metrics (and the weighted sequence balance loss when enabled) that
-``Transformer.pop_auxiliary`` collects; in training mode the aux-loss-free bias is updated from the
-observed load after the forward. That in-forward update assumes one forward per micro-batch: a
-recomputing activation checkpoint would route its recompute with the updated bias, and under data
-parallelism the expert counts are per rank (all-reduce them before ``balance_bias_update`` there).
+``Transformer.pop_auxiliary`` collects.
+
+Aux-loss-free balancing (``bias_update_speed > 0``) moves the selection bias once per optimizer
+step, never inside a forward: a training-mode forward only adds its per-expert token counts to
+a pending total (eval forwards add nothing), and :func:`apply_routing_updates` (called by
+``Transformer.after_optimizer_step`` after each optimizer step) sums them over data-parallel ranks
+(``MoE.reduce_counts``), takes one sign step and clears them. The counts of all micro-batches of a
+step are pooled (with one micro-batch per step this is exactly the former per-forward update). So
+the bias is constant within a step and an activation checkpoint's recompute routes every token as
+its forward did; the recompute (a forward run inside backward) adds no counts and records nothing.
 """
 
 from __future__ import annotations
@@ -59,7 +65,8 @@ class MoEConfig(FeedForwardConfig):
     n_group: int = 1
     #: groups each token may pick experts from (must be <= n_group)
     topk_group: int = 1
-    #: aux-loss-free balancing: step of the sign-based selection-bias update per training forward; 0 disables
+    #: aux-loss-free balancing: step of the sign-based selection-bias update, one per optimizer step
+    #: from the expert load of all that step's micro-batches; 0 disables
     bias_update_speed: float = 0.0
     #: weight of the DeepSeek-V3 sequence-wise balance loss (added to the training loss); 0 disables
     seq_aux_loss_coef: float = 0.0
@@ -127,6 +134,13 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass: an activation checkpoint's recompute (both
+    ``torch.utils.checkpoint`` implementations recompute from autograd's engine, which is the only
+    place a graph task is active; a test pins this for each)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from lockstep.ops.batch_invariant import linear
 
@@ -192,6 +206,8 @@ class MoE(nn.Module):
         #: set from outside by a parallel plan: sums expert counts over ranks that see other tokens,
         #: so replicated routers take the same bias step (the model itself knows no process groups)
         self.reduce_counts = None
+        #: tokens per expert of this optimizer step's training forwards so far (int64 [E]), not yet applied
+        self.pending_counts: torch.Tensor | None = None
         self.gate = nn.Linear(dim, self.n_experts, bias=False)
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
         self.experts = GroupedExperts(self.n_experts, dim, hidden_dim, config.experts_impl, init_std, out_init_std)
@@ -204,6 +220,7 @@ class MoE(nn.Module):
     def reset_parameters(self) -> None:
         """Zero the selection bias (gate, experts and shared experts initialise themselves)."""
         nn.init.zeros_(self.e_score_correction_bias)
+        self.pending_counts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -238,18 +255,40 @@ class MoE(nn.Module):
     def _record(self, counts: torch.Tensor, scores: torch.Tensor | None, indices: torch.Tensor,
                 shape: torch.Size) -> None:
         cfg = self.config
-        self._stats = load_stats(counts).detach()
-        self._losses = {}
-        if scores is None or not self.training:
-            return
-        if cfg.seq_aux_loss_coef > 0:
+        losses: dict[str, torch.Tensor] = {}
+        learned = scores is not None and self.training
+        if learned and cfg.seq_aux_loss_coef > 0:
+            # computed in a recompute too: a non-reentrant checkpoint recomputes the tensors this
+            # loss's backward saved, and expects the same ops in the same order
             seq = shape[-2] if len(shape) >= 3 else shape[0]
             b = scores.shape[0] // seq
             loss = sequence_balance_loss(scores.view(b, seq, -1), indices.view(b, seq, -1), self.n_experts, self.top_k)
-            self._losses["seq_aux_loss"] = cfg.seq_aux_loss_coef * loss
-        if cfg.bias_update_speed > 0:
-            global_counts = self.reduce_counts(counts) if self.reduce_counts is not None else counts
-            balance_bias_update(self.e_score_correction_bias, global_counts, cfg.bias_update_speed)
+            losses["seq_aux_loss"] = cfg.seq_aux_loss_coef * loss
+        if _recomputing():  # the forward already recorded this micro-batch
+            return
+        self._stats = load_stats(counts).detach()
+        self._losses = losses
+        if learned and cfg.bias_update_speed > 0:
+            self.pending_counts = counts if self.pending_counts is None else self.pending_counts + counts
+
+    @torch.no_grad()
+    def apply_routing_update(self) -> None:
+        """One aux-loss-free bias step from the counts pooled since the last call, then clear them.
+
+        With ``reduce_counts`` set (data parallelism) this is a collective: every rank of that group
+        must call it, in the same module order, also a rank that ran no training forward.
+        """
+        cfg = self.config
+        counts, self.pending_counts = self.pending_counts, None
+        if cfg.bias_update_speed <= 0 or cfg.routing != "learned":
+            return
+        if counts is None:
+            if self.reduce_counts is None:
+                return  # nothing observed here and no other rank to hear from: no step
+            counts = torch.zeros(self.n_experts, dtype=torch.int64, device=self.e_score_correction_bias.device)
+        if self.reduce_counts is not None:
+            counts = self.reduce_counts(counts)
+        balance_bias_update(self.e_score_correction_bias, counts, cfg.bias_update_speed)
 
     def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
         """Losses (``seq_aux_loss``, already weighted, when enabled in training) and metrics of the
@@ -271,3 +310,13 @@ class MoE(nn.Module):
         per_expert = self.experts.w1[0].numel() * 3
         shared = sum(p.numel() for p in self.shared_experts.parameters()) if self.shared_experts else 0
         return self.gate.weight.numel() + self.top_k * per_expert + shared
+
+
+def apply_routing_updates(module: nn.Module) -> None:
+    """Apply the pending aux-loss-free bias step of every MoE layer under ``module``: call it once after
+    each optimizer step (``Transformer.after_optimizer_step`` does). Walks any module tree (a model,
+    an FSDP-wrapped model, a pipeline rank's ``nn.ModuleList`` of stages); a no-op without MoE
+    layers. A collective under data parallelism: every data-parallel rank must call it."""
+    for sub in module.modules():
+        if isinstance(sub, MoE):
+            sub.apply_routing_update()

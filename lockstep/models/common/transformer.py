@@ -18,6 +18,7 @@ from lockstep.config.base import Config, require, require_positive
 from lockstep.config.overrides import ComponentOverride, apply_overrides
 from lockstep.models.common.attention import AttentionConfig
 from lockstep.models.common.mlp import FeedForwardConfig, SwiGLUConfig
+from lockstep.models.common.moe import apply_routing_updates
 from lockstep.models.common.norm import NormConfig, RMSNormConfig
 from lockstep.models.common.rope import RopeConfig
 
@@ -193,6 +194,12 @@ class Transformer(nn.Module):
             losses.update({f"{name}/{k}": v for k, v in sub_losses.items()})
             metrics.update({f"{name}/{k}": v for k, v in sub_metrics.items()})
         return losses, metrics
+
+    def after_optimizer_step(self) -> None:
+        """Call once after every optimizer step: applies the step's pending MoE routing-bias updates
+        (aux-loss-free balancing, pooled over the step's micro-batches; see ``models.common.moe``).
+        A no-op for dense models; a collective for MoE models under data parallelism."""
+        apply_routing_updates(self)
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:

@@ -134,12 +134,15 @@ def test_aux_loss_free_bias_moves_toward_balance_and_has_no_grad():
     y = moe(x)
     y.square().sum().backward()
     assert bias.grad is None and moe.gate.weight.grad is not None
+    assert torch.equal(bias, torch.zeros(4))  # the forward only counts; the step applies
+    moe.apply_routing_update()
     torch.testing.assert_close(bias, torch.tensor([-0.02, 0.02, 0.02, 0.02]))  # one sign step
     cvs = []
     with torch.no_grad():
         for _ in range(60):
             moe(x)
             cvs.append(moe.pop_auxiliary()[1]["load_cv"])
+            moe.apply_routing_update()
     assert bias[0] < 0 and (bias[1:] > 0).all()
     late = sum(cvs[-10:]) / 10  # sign updates oscillate around balance; average the tail
     assert first_cv > 1.5 and late < 0.5 * first_cv, (first_cv, cvs)
@@ -149,6 +152,7 @@ def test_bias_update_off_by_default_and_in_forced_mode():
     for moe in (_moe(), _moe(routing="forced_balanced", bias_update_speed=0.1)):
         moe.train()
         moe(torch.randn(2, 5, 16))
+        moe.apply_routing_update()
         assert torch.equal(moe.e_score_correction_bias, torch.zeros(6))
 
 

@@ -184,6 +184,7 @@ def test_train_step_through_experts_has_finite_grads():
         ff = model.layers["0"].feed_forward
         assert ff.experts.w1.grad.abs().sum() > 0 and ff.gate.weight.grad.abs().sum() > 0
         opt.step()
+        model.after_optimizer_step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     assert len(aux) == cfg.n_layers and "layers.0.feed_forward/load_cv" in metrics
