@@ -112,21 +112,35 @@ def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
              "params": [fqns[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
 
 
+def _b64(state: torch.Tensor) -> str:
+    return base64.b64encode(state.numpy().tobytes()).decode()
+
+
+def _unb64(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
 def rng_state() -> dict:
-    """torch, numpy and Python RNG states as JSON."""
+    """torch, numpy and Python RNG states as JSON; with ``"cuda"`` (the current device's generator)
+    when this process has used CUDA (a CPU run on a GPU machine neither initialises nor records it)."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     version, internal, gauss_next = random.getstate()
-    return {
-        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+    out = {
+        "torch": _b64(torch.get_rng_state()),
         "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
                   "cached_gaussian": float(cached)},
         "python": {"version": version, "internal": list(internal), "gauss_next": gauss_next},
     }
+    if torch.cuda.is_initialized():
+        out["cuda"] = _b64(torch.cuda.get_rng_state())
+    return out
 
 
 def set_rng_state(state: dict) -> None:
-    raw = base64.b64decode(state["torch"])
-    torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    """Restore :func:`rng_state`; a saved CUDA state is restored when CUDA is in use here."""
+    torch.set_rng_state(_unb64(state["torch"]))
+    if "cuda" in state and torch.cuda.is_initialized():
+        torch.cuda.set_rng_state(_unb64(state["cuda"]))
     n = state["numpy"]
     np.random.set_state((n["kind"], np.array(n["keys"], dtype=np.uint32), n["pos"], n["has_gauss"],
                          n["cached_gaussian"]))
