@@ -1,0 +1,54 @@
+"""scripts/gpu_check.sh stays runnable: its CPU mode (``--device cpu --quick``) runs every check the
+CUDA mode runs, on gloo, and passes; its failures make the exit status non-zero."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "gpu_check.sh"
+LINE = re.compile(r"^(PASS|FAIL|SKIP) ([\w-]+): (.+)$")
+
+
+def _run(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHON": sys.executable})
+
+
+@pytest.mark.slow
+def test_cpu_quick_mode_passes_every_check():
+    result = _run("--device", "cpu", "--quick", timeout=600)
+    lines = [m.groups() for m in map(LINE.match, result.stdout.splitlines()) if m]
+    status = {name: s for s, name, _ in lines}
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+    assert status == {"pretrain-1proc": "PASS", "pretrain-2proc": "SKIP", "hf-parity": "PASS",
+                      "batch-invariant": "PASS", "checkpoint": "PASS", "transport": "PASS", "rl-debug": "PASS"}, \
+        result.stdout
+
+
+def test_bad_arguments_and_a_missing_cuda_exit_non_zero():
+    assert _run("--device", "tpu", timeout=30).returncode == 2
+    assert _run("--frobnicate", timeout=30).returncode == 2
+    if not torch.cuda.is_available():
+        result = _run("--device", "cuda", timeout=120)
+        assert result.returncode == 1 and re.search(r"^FAIL cuda: .*no CUDA device", result.stdout, re.M), result.stdout
+
+
+def test_a_failed_check_fails_the_run(monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("gpu_checks", ROOT / "scripts" / "gpu_checks.py")
+    checks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checks)
+    monkeypatch.setitem(checks.CHECKS, "broken", lambda device, tmp: 1 / 0)
+    monkeypatch.setitem(checks.CHECKS, "fine", lambda device, tmp: ("PASS", "ok"))
+    assert checks.main(["--device", "cpu", "fine", "broken"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert LINE.match(out[0]).groups()[:2] == ("PASS", "fine")
+    assert LINE.match(out[1]).groups()[:2] == ("FAIL", "broken") and "ZeroDivisionError" in out[1]
