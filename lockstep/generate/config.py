@@ -48,7 +48,7 @@ class EngineConfig(Config):
     skip_guard_checks: bool = True
     #: batch-invariant kernels for this engine's steps (bitwise-equal to the trainer's
     #: ``score_logprobs``, docs/numerics.md): True / False, or None to follow the process-wide
-    #: ``lockstep.numerics`` switch
+    #: ``lockstep.numerics`` switch. CPU-only: on another device either is a ConfigError
     batch_invariant: bool | None = None
     #: dtype the engine runs the weights in: "model" (the model's own) or "bfloat16" / "float32": a
     #: cast copy of the weights (synced from the model's in-place updates before every step); the KV
