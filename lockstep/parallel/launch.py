@@ -18,17 +18,29 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed() -> tuple[int, int, str]:
-    """(rank, world_size, device_type); initialises the default group when WORLD_SIZE > 1."""
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto`` | ``cpu`` | ``cuda`` as this process's device (CUDA: the ``LOCAL_RANK``-th GPU)."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(name)
+
+
+def init_distributed(device: str = "auto") -> tuple[int, int, torch.device]:
+    """(rank, world_size, device); initialises the default group when WORLD_SIZE > 1: gloo on the
+    CPU; on CUDA NCCL for CUDA tensors and gloo beside it for CPU tensors (object collectives, the
+    RL transport's host buffers)."""
     world = world_size_from_env()
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = resolve_device(device)
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
-        if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        backend = "gloo"
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+            backend = "cpu:gloo,cuda:nccl"
         dist.init_process_group(backend=backend)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return rank, world, device_type
+    return rank, world, dev
 
 
 def finish(code: int = 0) -> None:

@@ -1,51 +1,115 @@
 """What a trainer needs to know about its place in a distributed job, in one object.
 
-``ParallelRuntime.create(config)`` initialises the process group (when launched by torchrun),
-resolves the degrees and builds the mesh; then it parallelizes a model with its family's plan,
-averages scalars over data-parallel ranks, and gathers full state dicts for rank 0 to write.
-A single process gets the same object with world 1 and does nothing extra.
+``ParallelRuntime.create(config)`` initialises the process group (when launched by torchrun) on the
+run's device (NCCL on CUDA, gloo on the CPU), resolves the degrees and builds the mesh -- over the
+whole world, or over a subset of it (``ranks=``: an RL job's trainer ranks, beside its generator
+processes). It parallelizes a model with its family's plan (on ``device``), and is the step seam:
+
+- ``loss_and_backward(batch, accumulate)``: one micro-batch's forward + backward for the layout
+  (plain; tensor parallel under ``loss_parallel``; context parallel: ``shard_batch`` + the cp
+  cross-entropy; pipeline: ``PipelineRunner.step``), returning a :class:`~lockstep.run.step.StepLoss`
+  of detached tensors -- no host synchronisation;
+- ``loss(batch)``: the same forward without gradients (evaluation);
+- ``optimizer_step(optimizer, max_norm)``: gradient sync (cp, ep), clipping, the step, and the
+  model's ``after_optimizer_step`` hook;
+- ``scalars()``: a :class:`~lockstep.run.step.StepScalars` reducing a step's scalars in one collective.
+
+This is the piece a graph-captured step replaces. A single process gets the same object with world 1.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.launch import init_distributed
+from lockstep.run.step import StepLoss, StepScalars
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _sub_mesh(dims: ParallelDims, ranks: list[int], device_type: str):
+    """A DeviceMesh over ``ranks`` only. Every process of the job calls this (making the mesh's groups
+    is collective over the world); the others get a mesh they are not in."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    names = [n for n, _ in dims.mesh_dims]
+    if not names:
+        return None
+    shape = tuple(d for _, d in dims.mesh_dims)
+    mesh = DeviceMesh(device_type, torch.tensor(ranks).view(shape), mesh_dim_names=tuple(names))
+    if dims.ep > 1:
+        mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
+    if len(dims.data_dims) > 1:
+        mesh[tuple(dims.data_dims)]._flatten("dp")
+    return mesh
 
 
 @dataclasses.dataclass
 class ParallelRuntime:
+    #: this process's global rank
     rank: int
+    #: processes of this runtime (the job's world, or the ``ranks`` subset)
     world_size: int
-    device_type: str
+    #: where the model, batches and autocast live (``training.device`` resolved)
+    device: torch.device
     dims: ParallelDims
     mesh: object | None
     dp_rank: int
+    #: the process group of this runtime's ranks (None: the default group, the whole world)
+    group: object | None = None
+    #: the compute dtype (autocast when not float32)
+    dtype: torch.dtype = torch.float32
 
     @classmethod
-    def create(cls, config: ParallelConfig) -> "ParallelRuntime":
-        rank, world, device_type = init_distributed()
-        dims = config.resolve(world)
-        mesh = dims.build_mesh(device_type)
-        return cls(rank, world, device_type, dims, mesh, dims.dp_rank(mesh))
+    def create(cls, config: ParallelConfig, *, ranks: Sequence[int] | None = None, device: str = "auto",
+               dtype: torch.dtype = torch.float32) -> "ParallelRuntime | None":
+        """The runtime of this process. ``ranks``: the runtime spans only these global ranks; every
+        process of the job must call this (group creation is collective) and those outside get None."""
+        rank, world, dev = init_distributed(device)
+        members = list(range(world)) if ranks is None else list(ranks)
+        dims = config.resolve(len(members))
+        group = None
+        if len(members) == world:
+            mesh = dims.build_mesh(dev.type)
+        else:
+            mesh = _sub_mesh(dims, members, dev.type)
+            group = dist.new_group(ranks=members)
+            if rank not in members:
+                return None
+        return cls(rank, len(members), dev, dims, mesh, dims.dp_rank(mesh), group=group, dtype=dtype)
 
     @property
     def is_main(self) -> bool:
+        """The runtime's first rank (the one writing the run directory)."""
         return self.rank == 0
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
     pipeline: object | None = None
     context: object | None = None  # a ContextParallel when cp > 1
+    #: the parallelized model (``parallelize`` sets it; pipeline: this rank's stages)
+    model: nn.Module | None = None
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.group)
 
     def parallelize(self, model: nn.Module, config: ParallelConfig, activation_checkpoint: str = "none") -> nn.Module:
         """The model's plan applied for this layout (one process: activation checkpointing only).
@@ -55,6 +119,7 @@ class ParallelRuntime:
         """
         from lockstep.parallel.parallelize import parallelize_dense
 
+        model = model.to(self.device)
         if self.dims.pp == 1:
             model = parallelize_dense(model, self.dims, self.mesh, config, activation_checkpoint)
             if self.dims.cp > 1:
@@ -62,6 +127,7 @@ class ParallelRuntime:
 
                 self.context = ContextParallel(self.mesh["cp"].get_group(), method=config.cp_method)
                 self.context.install(model)
+            self.model = model
             return model
         from lockstep.parallel.checkpointing import apply_activation_checkpointing
         from lockstep.parallel.fsdp import apply_fsdp, dp_mesh
@@ -76,8 +142,109 @@ class ParallelRuntime:
 
         self.pipeline = PipelineRunner(model, self.mesh["pp"], schedule=config.pp_schedule,
                                        n_microbatches=config.pp_microbatches or None,
-                                       parallelize_fn=parallelize_stage)
-        return nn.ModuleList(self.pipeline.model_parts)
+                                       parallelize_fn=parallelize_stage, device=self.device)
+        self.model = nn.ModuleList(self.pipeline.model_parts)
+        return self.model
+
+    # ------------------------------------------------------------------ the step seam
+
+    def to_device(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Tensors on the runtime's device (the same tensors when already there: no copy on the CPU)."""
+        return tuple(t.to(self.device) for t in tensors)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """Autocast to the compute dtype on the device's type (none for float32)."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Cross-entropy over vocabulary-sharded logits when tensor parallel."""
+        if self.dims.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def loss_and_backward(self, batch: tuple[torch.Tensor, torch.Tensor], accumulate: int = 1,
+                          timer=None) -> StepLoss:
+        """Forward + backward of one micro-batch ``(inputs, targets)`` (full ``[B, T]``, this data
+        rank's share) for this layout; the gradient is that of ``(loss + auxiliary losses) /
+        accumulate``. ``timer``: a StageTimer (stages ``forward``/``backward``; a pipeline's
+        interleaved schedule is one ``forward_backward`` stage)."""
+        return self._forward(batch, accumulate, timer, train=True)
+
+    @torch.no_grad()
+    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepLoss:
+        """The loss of one batch without gradients (evaluation; modules' metrics are dropped)."""
+        out = self._forward(batch, 1, None, train=False)
+        return StepLoss(out.loss)
+
+    def _forward(self, batch, accumulate: int, timer, train: bool) -> StepLoss:
+        stage = timer.stage if timer is not None else (lambda name: contextlib.nullcontext())
+        inputs, targets = self.to_device(*batch)
+        if self.pipeline is not None:
+            return self._pipeline_forward(inputs, targets, accumulate, stage, train)
+        positions = None
+        if self.context is not None:  # this rank's share of each sequence
+            inputs, targets, positions = self.context.shard_batch(inputs, targets)
+        with self.loss_context():
+            with stage("forward"), self.autocast():
+                logits = self.model(inputs) if positions is None else self.model(inputs, positions=positions)
+                if self.context is not None:  # local: this rank's part of the global mean; main: that mean
+                    local, main = self.context.cross_entropy(logits, targets)
+                else:
+                    local = main = lm_loss(logits, targets)
+                aux_losses, metrics = self.model.pop_auxiliary()
+                loss = (local + sum(aux_losses.values())) / accumulate
+            if train:
+                with stage("backward"):
+                    loss.backward()
+        return StepLoss(main.detach(), {k: v.detach() for k, v in aux_losses.items()}, metrics)
+
+    def _pipeline_forward(self, inputs, targets, accumulate: int, stage, train: bool) -> StepLoss:
+        """The schedule's step on this rank's stages. The loss exists on the last stage's rank only
+        (None elsewhere; ``StepScalars`` averages over the ranks holding it). Module metrics (MoE load)
+        come from every local stage, of the schedule's last micro-batch. Auxiliary losses are not
+        part of a pipeline's loss: stages pass only hidden states on, and the schedule's loss
+        function sees the last stage's logits alone."""
+        with stage("forward_backward" if train else "forward"), self.autocast():
+            if train:
+                local = self.pipeline.step(inputs, targets, loss_scale=1.0 / accumulate)
+            else:
+                local = self.pipeline.eval_loss(inputs, targets)
+        metrics: dict[str, float | torch.Tensor] = {}
+        for part in self.pipeline.model_parts:
+            for name, module in part.named_modules():
+                if module is not part and hasattr(module, "pop_auxiliary"):
+                    metrics.update({f"{name}/{k}": v for k, v in module.pop_auxiliary()[1].items()})
+        loss = None if local is None else torch.tensor(local, dtype=torch.float64)
+        return StepLoss(loss, {}, metrics)
+
+    def scalars(self) -> StepScalars:
+        """An accumulator of a step's scalars, reduced over this runtime's ranks in one collective."""
+        return StepScalars(self.device, group=self.group, distributed=self.distributed,
+                           gather_names=self.pipeline is not None)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """Gradient sync (cp sums, ep scaling), clipping to ``max_norm`` (inf: none), the optimizer
+        step, ``zero_grad`` and the model's per-step hook; returns the norm before clipping (a tensor)."""
+        model = self.model
+        self.sync_context_grads(model)
+        self.after_backward(model)
+        grad_norm = self.clip_grad_norm(model, max_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.after_optimizer_step(model)
+        return grad_norm
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        """Once per optimizer step, outside any forward: the MoE routers' pending selection-bias
+        updates (any module tree: a model, FSDP-wrapped, or a pipeline rank's stages). A collective
+        under data parallelism (the expert counts are summed over the data-parallel ranks)."""
+        from lockstep.models.common.moe import apply_routing_updates
+
+        apply_routing_updates(model)
 
     def after_backward(self, model: nn.Module) -> None:
         """Expert gradients sum every ep rank's tokens; scale them to the mean loss's gradient
@@ -105,28 +272,12 @@ class ParallelRuntime:
 
         return clip_grad_norm(model.parameters(), max_norm)
 
-    def loss_context(self) -> contextlib.AbstractContextManager:
-        """Cross-entropy over vocabulary-sharded logits when tensor parallel."""
-        if self.dims.tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-    def mean_over_dp(self, value: torch.Tensor | float) -> float:
-        """Average a per-rank scalar over all ranks (TP ranks hold equal copies, so this is the dp mean)."""
-        if isinstance(value, DTensor):
-            value = value.full_tensor()
-        if not self.distributed:
-            return float(value)
-        t = torch.as_tensor(value, dtype=torch.float64).detach().clone()
-        dist.all_reduce(t)
-        return float(t) / self.world_size
+    # ------------------------------------------------------------------ state and records
 
     def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Unsharded parameters on CPU (collective: every rank must call it)."""
+        """Unsharded parameters on the CPU, on the runtime's first rank (collective over its ranks)."""
         if not self.distributed:
-            return model.state_dict()
+            return {k: v.cpu() for k, v in model.state_dict().items()}
         if self.pipeline is not None:
             return self.pipeline.full_state_dict()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -151,7 +302,7 @@ class ParallelRuntime:
             "parity_test": parity or ("untested layout for this family" if self.distributed else None),
             "world_size": self.world_size,
             "device": self.device_type,
-            "backend": dist.get_backend() if dist.is_initialized() else None,
+            "backend": dist.get_backend(self.group) if dist.is_initialized() else None,
             "degrees": {"dp_replicate": self.dims.dp_replicate, "dp_shard": self.dims.dp_shard, "tp": self.dims.tp,
                         "ep": self.dims.ep, "pp": self.dims.pp, "cp": self.dims.cp},
             "context_parallel": {"method": self.context.method, "load_balance": "chunks r and 2cp-1-r"}

@@ -20,6 +20,7 @@ from lockstep.numerics import NumericsConfig
 from lockstep.parallel.dims import ParallelConfig
 from lockstep.rl.losses import LossConfig
 from lockstep.rl.rollout import RolloutConfig
+from lockstep.run.config import SinkOutputs, validate_device
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
 #: what the loss's importance ratio divides by (see RLTrainingConfig.ratio_to)
@@ -127,12 +128,15 @@ class RLTrainingConfig(Config):
     ratio_to: str = "generator"
     #: torch intra-op threads of the trainer (0 = torch's default)
     threads: int = 0
+    #: where the trainer's model and batches live: "auto" (CUDA when available), "cpu" or "cuda"
+    device: str = "auto"
 
     def validate(self, path: str = "training") -> None:
         require(self.micro_batch_size >= 0, f"{path}.micro_batch_size", f"must be >= 0, got {self.micro_batch_size}")
         require(self.max_grad_norm >= 0, f"{path}.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         require_choice(self.ratio_to, RATIO_TO, f"{path}.ratio_to")
         require(self.threads >= 0, f"{path}.threads", f"must be >= 0, got {self.threads}")
+        validate_device(self.device, f"{path}.device")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -158,8 +162,8 @@ class SFTConfig(Config):
 
 
 @dataclasses.dataclass(kw_only=True)
-class RLOutputConfig(Config):
-    """What an RL run prints and writes besides metrics.jsonl and the manifest."""
+class RLOutputConfig(SinkOutputs):
+    """What an RL run prints and writes besides metrics.jsonl and the manifest (and the sinks' switches)."""
 
     #: show a progress bar on the console
     progress: bool = True

@@ -7,8 +7,9 @@
 3. per micro-batch: ``score_logprobs`` (the one log-probability function the engine also uses)
    over prompt + response, the policy loss against the generator's log-probabilities (or the
    trainer's own, ``training.ratio_to``), backward; the loss's denominator is the whole step's,
-   so micro-batching does not change the loss;
-4. clip, AdamW step; ``logprob_diff/*`` compares the generator's log-probabilities of every
+   so micro-batching does not change the loss; the step's scalars stay tensors until one
+   reduction over the trainer ranks at the end (no host synchronisation per micro-batch);
+4. clip, AdamW step (``ParallelRuntime.optimizer_step``, as pretraining); ``logprob_diff/*`` compares the generator's log-probabilities of every
    generated token with the trainer's, before the update.
 
 Episodes travel between processes as :class:`EpisodeRecord` (token ids, masks, log-probs, reward,
@@ -26,7 +27,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from lockstep.parallel.grad import clip_grad_norm
+from lockstep.parallel.dims import ParallelConfig
+from lockstep.parallel.runtime import ParallelRuntime
 from lockstep.rl.agreement import logprob_diff
 from lockstep.rl.config import RLConfig
 from lockstep.rl.rollout import Episode
@@ -74,13 +76,17 @@ def _pad(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
 class Learner:
     """Owns the policy's optimizer, schedule, loss and (when kl_coef > 0) the frozen reference."""
 
-    def __init__(self, config: RLConfig, model: nn.Module, *, dp: int = 1, dp_rank: int = 0,
-                 group=None) -> None:
-        """``model`` may be FSDP-sharded over ``dp`` trainer ranks (``group``): each scores its
-        share of a step's episodes and gradients average over them."""
+    def __init__(self, config: RLConfig, model: nn.Module, runtime: ParallelRuntime | None = None) -> None:
+        """``model``: the policy as ``runtime`` parallelized it (FSDP-sharded over its dp trainer
+        ranks: each scores its share of a step's episodes and gradients average over them). Without
+        a runtime, a one-process one is made here (and the model moved to ``training.device``)."""
         self.config = config
-        self.model = model
-        self.dp, self.dp_rank, self.group = dp, dp_rank, group
+        if runtime is None:
+            one = ParallelConfig(dp_shard=1)
+            runtime = ParallelRuntime.create(one, ranks=[0], device=config.training.device)
+            model = runtime.parallelize(model, one)
+        self.runtime, self.model = runtime, model
+        self.dp, self.dp_rank, self.group = runtime.world_size, runtime.dp_rank, runtime.group
         self.optimizer = config.optimizer.build(model)
         self.lr_at = config.lr_schedule.build(peak_lr=config.optimizer.lr, total_steps=config.steps)
         sampling = config.rollout.sampling
@@ -127,7 +133,7 @@ class Learner:
         share = len(records) // self.dp  # the config checks it divides evenly
         mine = range(self.dp_rank * share, (self.dp_rank + 1) * share)
         mb = cfg.training.micro_batch_size or share
-        loss_total, metric_sums = 0.0, {}
+        scalars = self.runtime.scalars()  # summed over micro-batches and trainer ranks
         trainer_logp: list[torch.Tensor] = []
         for lo in range(mine.start, mine.stop, mb):
             idx = list(range(lo, min(lo + mb, mine.stop)))
@@ -145,16 +151,16 @@ class Learner:
             loss, metrics = self.loss(logp, mask, advantages[idx], old_logp=old, ref_logp=ref,
                                       generator_logp=gen, keep=keep[idx], normaliser=normaliser)
             (loss * self.dp).backward()  # FSDP averages gradients over the dp ranks; the loss is their sum
-            loss_total += float(loss.detach())
+            scalars.add({"loss": loss})
             weight = len(idx) / len(records)
             for k, v in metrics.items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * (1.0 if k in ("pg_loss", "n_tokens") else weight)
+                scalars.add({f"loss/{k}": v}, multiply_by=1.0 if k in ("pg_loss", "n_tokens") else weight)
         max_norm = cfg.training.max_grad_norm if cfg.training.max_grad_norm > 0 else math.inf
-        grad_norm = float(clip_grad_norm(self.model.parameters(), max_norm))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = float(self.runtime.optimizer_step(self.optimizer, max_norm))
+        sums = scalars.reduce(mean=False)  # the ranks' partial sums add up to the step's values
+        trainer_logp = [t.cpu() for t in trainer_logp]
         if self.dp > 1:
-            loss_total, metric_sums, trainer_logp = self._combine(loss_total, metric_sums, trainer_logp)
+            trainer_logp = self._gather_logprobs(trainer_logp)
         seconds = time.perf_counter() - started
 
         gen_tokens = [g[m.bool()] for g, m in zip(gen_logp, resp_mask)]
@@ -163,7 +169,7 @@ class Learner:
         lengths = torch.tensor([float(r.generated_tokens) for r in records])
         trained_tokens = sum(len(r.token_ids) for r in records)
         out = {
-            "loss": loss_total, "lr": lr, "grad_norm": grad_norm,
+            "loss": sums.pop("loss"), "lr": lr, "grad_norm": grad_norm,
             "reward/mean": float(rewards.mean()), "reward/std": float(rewards.flatten().std()) if rewards.numel() > 1 else 0.0,
             "pass_rate": float((rewards >= pass_threshold).float().mean()),
             "response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
@@ -174,21 +180,16 @@ class Learner:
             "groups": n_groups, "groups_kept": int(keep.view(n_groups, group_size).any(dim=1).sum()),
             "trainer/tokens": trained_tokens, "trainer/tokens_per_s": trained_tokens / seconds,
             "time/training": seconds,
-            **{f"loss/{k}": v for k, v in metric_sums.items()},
+            **sums,
             **logprob_diff(gen_tokens, trainer_tokens),
         }
         out["loss/reward_mean"] = float(adv_metrics["reward_mean"])
         return out
 
-    def _combine(self, loss: float, metric_sums: dict[str, float], logp: list[torch.Tensor]
-                 ) -> tuple[float, dict[str, float], list[torch.Tensor]]:
-        """Sum the ranks' partial loss and metrics; gather every rank's trainer log-probs (in rank
-        order, which is episode order)."""
+    def _gather_logprobs(self, logp: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's trainer log-probs (in rank order, which is episode order)."""
         import torch.distributed as dist
 
-        keys = sorted(metric_sums)
-        sums = torch.tensor([loss, *(metric_sums[k] for k in keys)], dtype=torch.float64)
-        dist.all_reduce(sums, group=self.group)
         gathered: list = [None] * self.dp
-        dist.all_gather_object(gathered, logp, group=self.group)
-        return float(sums[0]), dict(zip(keys, sums[1:].tolist())), [t for part in gathered for t in part]
+        dist.all_gather_object(gathered, [t.cpu() for t in logp], group=self.group)
+        return [t for part in gathered for t in part]

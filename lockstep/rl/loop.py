@@ -3,7 +3,7 @@
 With ``workers.generators = N >= 1`` the job is ``T + N`` torchrun processes (``lockstep rl``
 launches them): ranks 0..T-1 train (``parallel``: FSDP2/HSDP over them), ranks T.. generate;
 weights go trainer rank 0 -> generators over one gloo group, rollouts generator -> trainer rank 0
-over another (:mod:`lockstep.rl.layout`). With ``generators = 0`` one process
+over another (:mod:`lockstep.rl.layout`); the trainer ranks run on a ``ParallelRuntime`` of their own. With ``generators = 0`` one process
 generates between its own steps with the very modules it trains (no copy, no sync).
 """
 
@@ -17,7 +17,7 @@ from lockstep.parallel.launch import init_distributed, world_size_from_env
 from lockstep.rl.config import RLConfig
 from lockstep.rl.layout import create_layout
 from lockstep.rl.policy import load_policy, with_stop_ids
-from lockstep.train.trainer import seed_everything
+from lockstep.run import seed_everything
 
 
 def check_world(config: RLConfig, world: int) -> None:
@@ -32,7 +32,7 @@ def run_rl(config: RLConfig):
     """Run the job this process belongs to; trainer rank 0 returns an ``RLResult``, others None."""
     config.validate()
     check_world(config, world_size_from_env())
-    rank, world, _ = init_distributed()
+    rank, world, _ = init_distributed(config.training.device)
     config.numerics.build()
     layout = create_layout(config, rank, world)
     threads = config.training.threads if layout.is_trainer else config.workers.generator_threads

@@ -15,24 +15,23 @@ import dataclasses
 import time
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from lockstep import numerics
-from lockstep.config.base import ConfigError, to_dict
+from lockstep.config.base import to_dict
 from lockstep.generate.engine import Engine
-from lockstep.observe import MetricsWriter, ProgressBar, RunManifest, plot_series, read_metrics
-from lockstep.rl.checkpointing import RLCheckpointing
-from lockstep.train.checkpointing import check_run_dir
+from lockstep.observe import ProgressBar, RunManifest, plot_series, read_metrics
+from lockstep.rl.checkpointing import build_checkpointing
 from lockstep.rl.config import RLConfig
 from lockstep.rl.generator import ROLLOUT_TAG, rollout_batch_payload
-from lockstep.rl.layout import RLLayout, full_state, shard_trainer
+from lockstep.rl.layout import RLLayout
 from lockstep.rl.learner import Learner
 from lockstep.rl.policy import Policy
 from lockstep.rl.rollout import Rollout
 from lockstep.rl.sft import evaluate, sft_warmup
 from lockstep.rl.transport import WeightSender, recv_object
-from lockstep.train.trainer import default_run_dir, save_weights, truncate_metrics
+from lockstep.run import RunLog, agree_on_run_dir, save_weights
+from lockstep.run.manifest import model_kernels, run_manifest
 
 
 @dataclasses.dataclass
@@ -50,15 +49,15 @@ class RLTrainer:
 
     def __init__(self, config: RLConfig, run_config: RLConfig, policy: Policy, layout: RLLayout) -> None:
         self.config, self.run_config, self.policy, self.layout = config, run_config, policy, layout
-        self.main = layout.rank == 0
+        self.runtime = runtime = layout.runtime
+        self.main = runtime.is_main
         self.distributed = layout.world_size > 1
-        self.run_dir = self._agree_on_run_dir()
+        self.run_dir = agree_on_run_dir(config, main=self.main, group=runtime.group, distributed=runtime.distributed)
         numerics.prepare_model(policy.model)  # before FSDP: it changes module classes
         # rank 0's unsharded copy: what generators receive and what evaluation generates with
-        self.shadow = copy.deepcopy(policy.model) if layout.dp > 1 and self.main else policy.model
-        self.model = shard_trainer(policy.model, layout, config)
-        self.learner = Learner(run_config, self.model, dp=layout.dp, dp_rank=layout.dp_rank,
-                               group=layout.trainer_group)
+        self.shadow = copy.deepcopy(policy.model) if runtime.distributed and self.main else policy.model
+        self.model = runtime.parallelize(policy.model, config.parallel)  # FSDP2/HSDP over the trainer ranks
+        self.learner = Learner(run_config, self.model, runtime)
         self.env = run_config.task.build()
         self.engine = self.rollout = None
         if self.main:
@@ -68,8 +67,8 @@ class RLTrainer:
         self.checkpointing = None
         self.start, self.resumed = 0, None
         if config.checkpoint.every or config.resume:
-            self.checkpointing = RLCheckpointing(config, self.run_dir, self.learner, rank=layout.rank,
-                                                 world_size=layout.dp, group=layout.trainer_group)
+            self.checkpointing = build_checkpointing(config, self.run_dir, self.learner, rank=runtime.rank,
+                                                     world_size=runtime.world_size, group=runtime.group)
             if config.resume:
                 self.resumed = self.checkpointing.resume()
                 self.start = self.resumed["from_step"]
@@ -78,30 +77,10 @@ class RLTrainer:
         #: each generator's numerics settings (threads, batch-invariant attention implementation)
         self.generator_numerics: dict[int, dict] = {}
 
-    def _agree_on_run_dir(self) -> Path:
-        """Rank 0 checks the run directory; every trainer rank then uses the same one."""
-        cfg = self.config
-        found: list = [None]
-        if self.main:
-            try:
-                found[0] = str(self._check_run_dir(Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg.recipe)))
-            except ConfigError as err:
-                found[0] = err
-        if self.layout.dp > 1:
-            dist.broadcast_object_list(found, src=0, group=self.layout.trainer_group)
-        if isinstance(found[0], ConfigError):
-            raise found[0]
-        return Path(found[0])
-
-    def _check_run_dir(self, run_dir: Path) -> Path:
-        check_run_dir(self.config.checkpoint, run_dir, self.config.resume)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        return run_dir
-
     def _refresh_shadow(self) -> None:
         """Bring rank 0's unsharded copy up to the sharded weights (collective over trainer ranks)."""
-        if self.layout.dp > 1:
-            state = full_state(self.model, self.layout)
+        if self.runtime.distributed:
+            state = self.runtime.full_state_dict(self.model)
             if self.main:
                 self.shadow.load_state_dict(state)
 
@@ -109,13 +88,12 @@ class RLTrainer:
 
     def _manifest(self) -> RunManifest:
         cfg, model = self.config, self.shadow
-        manifest = RunManifest(self.run_dir, recipe=to_dict(cfg), model={
-            "family": cfg.model.family, "flavor": cfg.model.flavor, "parameters": model.num_params(),
-            "source": self.policy.source})
         n = cfg.workers.generators
-        manifest.update(
-            numerics=numerics.thread_settings(),
-            kernels={"attention": sorted({layer.attention.backend_name for layer in model.layers.values()})},
+        return run_manifest(
+            self.run_dir, cfg, runtime=self.runtime, checkpoint=self.checkpointing, resumed=self.resumed,
+            model={"family": cfg.model.family, "flavor": cfg.model.flavor, "parameters": model.num_params(),
+                   "source": self.policy.source},
+            kernels=model_kernels(model),
             workers={"trainer_ranks": list(range(self.layout.dp)),
                      "trainer_layout": {"dp_replicate": cfg.parallel.dp_replicate, "dp_shard": cfg.parallel.dp_shard,
                                         "fsdp": self.layout.dp > 1},
@@ -125,9 +103,7 @@ class RLTrainer:
                      "max_offpolicy_steps": cfg.workers.max_offpolicy_steps,
                      "weight_sync": "one broadcast of a flat byte buffer per version" if n else "shared modules"},
             environment={"name": cfg.task.env, "options": cfg.task.options},
-            resumed=self.resumed,
         )
-        return manifest
 
     # ------------------------------------------------------------------ the loop
 
@@ -160,13 +136,11 @@ class RLTrainer:
         """The loop on every trainer rank; rank 0 returns the result, the others None."""
         cfg = self.config
         manifest = self._manifest() if self.main else None
-        log_path = self.run_dir / ("metrics.jsonl" if self.main else f"logs/rank{self.layout.rank}.jsonl")
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        if self.resumed:
-            truncate_metrics(log_path, self.start)
+        writer = RunLog(self.run_dir, cfg.output, rank=self.layout.rank, main=self.main,
+                        resume_step=self.start if self.resumed else None, recipe=to_dict(cfg))
         steps, evals = [], []
         evaluating = bool(cfg.task.eval_every) and self.main
-        with MetricsWriter(log_path) as writer:
+        with writer:
             if self.start == 0 and cfg.sft.steps:
                 if evaluating:
                     evals.append(writer.write({**self._evaluate(0), "phase": "before_sft"}))
@@ -181,7 +155,7 @@ class RLTrainer:
                                            group=self.layout.sync_group)
                 if self.last > self.start:
                     self.sender.send()  # version `start`: the generators' first weights
-            bar = ProgressBar(self.last, desc=cfg.recipe, enabled=cfg.output.progress and self.main)
+            bar = writer.progress(self.last, cfg.recipe, cfg.output.progress)
             step_started = time.perf_counter()
             for step in range(self.start + 1, self.last + 1):
                 payload, waited = self._batch(step)

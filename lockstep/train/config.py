@@ -11,6 +11,7 @@ from lockstep.data.config import DataConfig
 from lockstep.models.common.transformer import TransformerConfig
 from lockstep.numerics import NumericsConfig
 from lockstep.parallel.dims import ParallelConfig
+from lockstep.run.config import SinkOutputs, validate_device
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
 DTYPES = ["float32", "bfloat16"]
@@ -34,6 +35,8 @@ class TrainingConfig(Config):
     threads: int = 0
     #: activation checkpointing per block: "none", "full" or "selective" (keep matmul/attention outputs)
     activation_checkpoint: str = "none"
+    #: where the model, batches and autocast live: "auto" (CUDA when available), "cpu" or "cuda"
+    device: str = "auto"
 
     def validate(self, path: str = "training") -> None:
         require_positive(self.batch_size, f"{path}.batch_size")
@@ -43,6 +46,7 @@ class TrainingConfig(Config):
         require_choice(self.dtype, DTYPES, f"{path}.dtype")
         require(self.threads >= 0, f"{path}.threads", f"must be >= 0, got {self.threads}")
         require_choice(self.activation_checkpoint, ["none", "full", "selective"], f"{path}.activation_checkpoint")
+        validate_device(self.device, f"{path}.device")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -60,8 +64,8 @@ class ValidationConfig(Config):
 
 
 @dataclasses.dataclass(kw_only=True)
-class OutputConfig(Config):
-    """What the run prints and writes besides metrics and the manifest."""
+class OutputConfig(SinkOutputs):
+    """What the run prints and writes besides metrics and the manifest (and the sinks' switches)."""
 
     #: show a progress bar on the console
     progress: bool = True

@@ -18,9 +18,10 @@ def greedy_continue(model: nn.Module, prompt_ids: list[int], max_new_tokens: int
     was_training = model.training
     model.eval()
     ids = list(prompt_ids)
+    device = next(model.parameters()).device
     generated: list[int] = []
     for _ in range(max_new_tokens):
-        window = torch.tensor([ids[-max_seq_len:]], dtype=torch.long)
+        window = torch.tensor([ids[-max_seq_len:]], dtype=torch.long, device=device)
         logits = model(window)
         if hasattr(logits, "full_tensor"):  # vocabulary-sharded logits under tensor parallel
             logits = logits.full_tensor()

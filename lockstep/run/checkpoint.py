@@ -1,0 +1,124 @@
+"""The checkpoint policy of a run (pretraining and RL alike): what is saved, when, which config
+changes a resume accepts, and each rank's own state.
+
+Slots: ``model/<fqn>``, ``optimizer/<fqn>/<state>`` and ``<name>/<fqn>`` for each extra module (the
+RL reference policy: ``reference/``), aliasing the live tensors, written by the
+:class:`~lockstep.checkpoint.Checkpointer` (staged, background writer, atomic; same layout on disk
+for every run kind). Per-rank JSON state: RNG, optimizer groups, and what the workload's
+:class:`RankState` adds (the loader position; the RL policy version).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from torch import nn
+
+from lockstep.checkpoint import Checkpointer
+from lockstep.checkpoint.reader import read_index
+from lockstep.checkpoint.train_state import (
+    ensure_optimizer_state, model_slots, optimizer_groups, optimizer_slots, rng_state, set_rng_state,
+)
+from lockstep.config.base import ConfigError, to_dict
+
+
+def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
+    """Dotted paths whose values differ between two config dicts."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def _resumable(change: str, allowed: Sequence[str]) -> bool:
+    """``change`` (a dotted path) lies under one of ``allowed`` (sections or dotted fields)."""
+    return any(change == a or change.startswith(a + ".") for a in allowed)
+
+
+@dataclasses.dataclass
+class RankState:
+    """A workload's own per-rank state: ``save(step) -> dict`` (JSON) and ``load(state) -> dict``
+    (restores it; returns what the manifest's ``resumed`` section adds)."""
+
+    save: Callable[[int], dict] = lambda step: {}
+    load: Callable[[dict], dict] = lambda state: {}
+
+
+class CheckpointPolicy:
+    """Every rank of the model's group has one (its shard); the loop calls ``due``/``save``/
+    ``records`` each step and ``close`` at the end; ``resume`` once before the first step."""
+
+    def __init__(self, config, run_dir: Path, *, model: nn.Module, optimizer, kind: str,
+                 resumable: Sequence[str], rank_state: RankState | None = None,
+                 extra_modules: dict[str, nn.Module] | None = None, rank: int = 0, world_size: int = 1,
+                 group=None) -> None:
+        self.config, self.model, self.optimizer, self.kind = config, model, optimizer, kind
+        self.resumable = tuple(resumable)
+        self.rank_state = rank_state or RankState()
+        self.extra_modules = dict(extra_modules or {})
+        self.world_size = world_size
+        self.every = config.checkpoint.every
+        self.checkpointer: Checkpointer = config.checkpoint.build(run_dir, rank=rank, world_size=world_size,
+                                                                  group=group)
+        self._slot_cache: dict | None = None
+        if self.every:
+            self.checkpointer.prepare(self.slots())
+
+    def slots(self) -> dict:
+        """Every saved tensor of this rank. Built once: parameters and optimizer state are updated
+        in place for the whole run, so the same views stay valid (and rebuilding costs ~20 ms)."""
+        if self._slot_cache is None:
+            ensure_optimizer_state(self.optimizer)
+            slots = {**model_slots(self.model), **optimizer_slots(self.model, self.optimizer)}
+            for name, module in self.extra_modules.items():
+                slots.update({f"{name}/" + k.removeprefix("model/"): v for k, v in model_slots(module).items()})
+            self._slot_cache = slots
+        return self._slot_cache
+
+    def describe(self) -> dict:
+        return {"every": self.every, "mode": self.config.checkpoint.mode,
+                "storage": self.checkpointer.storage.describe(), "slots": ["model", "optimizer", *self.extra_modules]}
+
+    def resume(self) -> dict:
+        """Load the latest checkpoint into the slots, RNG and the workload's rank state; returns what
+        the manifest records (``from_step`` included). A config change outside ``resumable`` is a
+        ConfigError, raised before any tensor is touched."""
+        storage = self.checkpointer.storage
+        step = self.checkpointer.latest_step()
+        saved = read_index(storage, step).get("metadata", {}).get("config", {})
+        changes = [c for c in config_changes(saved, to_dict(self.config)) if not _resumable(c, self.resumable)]
+        if changes:  # a changed model would otherwise only list mismatched shapes
+            raise ConfigError(f"resume: the checkpoint at step {step} in {storage.describe()} was made with a "
+                              f"different config: {', '.join(changes)} changed (only "
+                              f"{', '.join(self.resumable)} may change)")
+        step, state, meta = self.checkpointer.load(self.slots(), step)
+        set_rng_state(state["rng"])
+        extra = self.rank_state.load(state)
+        return {"from_step": step, "storage": storage.describe(), "saved_world_size": meta.get("world_size"),
+                "world_size": self.world_size, **extra}
+
+    def due(self, step: int, last: int) -> bool:
+        return bool(self.every) and (step % self.every == 0 or step == last)
+
+    def save(self, step: int) -> None:
+        rank_state = {"rng": rng_state(), "optimizer_groups": optimizer_groups(self.model, self.optimizer),
+                      **self.rank_state.save(step)}
+        meta = {"family": self.config.model.family, "flavor": self.config.model.flavor, "step": step,
+                "world_size": self.world_size, "kind": self.kind,
+                "config": json.loads(json.dumps(to_dict(self.config)))}
+        self.checkpointer.save(step, self.slots(), rank_state, meta)
+
+    def records(self, wait: bool = False) -> list[dict]:
+        """The metrics records of saves finished since the last call (``wait``: of every save)."""
+        done = self.checkpointer.wait() if wait else self.checkpointer.poll()
+        return [s.record() for s in done]
+
+    def close(self, abandon: bool = False) -> list[dict]:
+        return [s.record() for s in self.checkpointer.close(abandon=abandon)]
