@@ -5,13 +5,19 @@ blocked (AMX/VNNI) layout on *every* call: at decode sizes that reorder reads an
 weight again and costs as much as the product. ``EngineConfig.pack_weights`` packs each linear
 weight of the module tree the engine runs once, for one kernel (``linear_kernel``):
 
-- bf16 ``"amx"``: :mod:`lockstep.ops.decode_linear`, Intel AMX tiles on a layout each thread streams
-  in one run: ~1.5x oneDNN's prepacked linear on a SmolLM2 decode step's weights. fp32 sums in an
-  order fixed by K (a row's result does not depend on the batch), not ``F.linear``'s bits. Layers
-  whose shapes do not fit its tiles (``decode_linear.supports``) use oneDNN.
-- bf16 ``"onednn"``: ``torch.ops.mkldnn._reorder_linear_weight`` (the prepacking Inductor's freezing
-  uses) and ``torch.ops.mkldnn._linear_pointwise``: 1.4-2x faster than ``F.linear`` per linear at
-  1-64 rows here, and bitwise equal to it on this CPU (the same oneDNN kernels; tested).
+- bf16 ``"bf16"`` (``EngineConfig.linear_kernel`` "amx", and "auto" at the ISA levels amx and avx512
+  with avx512_bf16): :mod:`lockstep.ops.decode_linear`'s C kernel of the process's ISA level (AMX
+  tiles, or ``vdpbf16ps``) on a layout each thread streams in one run: ~1.5x oneDNN's prepacked
+  linear on a SmolLM2 decode step's weights with AMX, 1.1-1.6x without (oneDNN capped to
+  AVX512_CORE_BF16; ``benchmarks/decode_kernels.py``). fp32 sums in an order fixed by K (a row's
+  result does not depend on the batch), not ``F.linear``'s bits.
+- bf16 ``"onednn"`` (``"auto"`` below that): ``torch.ops.mkldnn._reorder_linear_weight`` (the
+  prepacking Inductor's freezing uses) and ``torch.ops.mkldnn._linear_pointwise``: 1.4-2x faster
+  than ``F.linear`` per linear at 1-64 rows here, and bitwise equal to ``F.linear`` on a contiguous
+  input (the same oneDNN kernels; tested with AMX and capped to AVX-512). The packed path makes its
+  input contiguous; ``F.linear`` itself hands oneDNN a transposed input as it lies, which takes
+  another kernel: its bits then differ from its own on the contiguous copy (measured, without AMX at
+  3-33 rows, with AMX at 33), and so from the packed layer's.
 - fp32 ``"f32"`` (``"auto"`` on AVX-512 CPUs): :mod:`lockstep.ops.decode_linear`'s AVX-512 kernel;
   layers whose output width is not a multiple of 16 stay unpacked.
 
@@ -25,14 +31,19 @@ writing straight into the storage) is not seen: ``Engine.sync_weights()`` repack
 
 The packed product is a registered op (``lockstep::packed_linear``), so ``compile_decode``
 traces it as one call and the weights need not be graph constants (unlike Inductor's freezing).
-Autograd and other devices take the ordinary linear; batch-invariant mode takes its own linear,
-except that an AMX-packed layer runs its cached pack (the batch-invariant bf16 linear is that
-kernel on the same bytes).
+Autograd and other devices take the ordinary linear; batch-invariant mode takes its own linear:
+for bf16 on CPU that is :mod:`decode_linear`'s kernel on a fresh pack of the weight, so a packed
+layer runs it on a cached pack instead (its own ``"bf16"`` pack, or a second one kept for the mode
+by a ``"onednn"`` layer): the same bytes, the same bits, without packing every step.
+
+Layers are registered under never-reused integer handles (what the compiled step's ops carry) in a
+table of weak references: a dropped engine's layers leave it (and free their packs) when collected.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import weakref
 
@@ -43,8 +54,9 @@ from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.ops import decode_linear
 
-#: handle -> the layer (weakly: a dropped engine's layers and their packed copies are freed)
-_LAYERS: list[weakref.ref] = []
+#: handle -> the layer (weakly: a dropped engine's layers leave it and their packed copies are freed)
+_LAYERS: weakref.WeakValueDictionary[int, "PackedLinear"] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
 
 
 def available() -> bool:
@@ -66,17 +78,21 @@ def packable(model: nn.Module) -> bool:
 
 
 def linear_kernel(choice: str, dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """``EngineConfig.linear_kernel`` resolved on this machine for an engine running ``dtype``:
-    bf16: "amx" or "onednn"; fp32: "f32" (``"auto"`` where AVX-512 is here) or None (unpacked)."""
+    """``EngineConfig.linear_kernel`` resolved on this machine (at its :mod:`~lockstep.ops.isa` level)
+    for an engine running ``dtype``: bf16: "bf16" (the C kernel) or "onednn"; fp32: "f32" (``"auto"``
+    where AVX-512 is here) or None (unpacked)."""
     if dtype == torch.float32:
         return "f32" if choice == "auto" and decode_linear.available(torch.float32) else None
     if dtype != torch.bfloat16:
         return None
-    if choice == "auto":
-        return "amx" if decode_linear.available() else "onednn"
-    if choice == "amx" and not decode_linear.available():
-        raise ConfigError("engine.linear_kernel: 'amx' needs a Linux x86 CPU with AMX (amx_bf16, amx_tile, "
-                          "avx512_bf16 in /proc/cpuinfo) and a C compiler; use 'onednn' or 'auto'")
+    if choice == "auto":  # measured faster than oneDNN at decode rows with AMX and with vdpbf16ps
+        return "bf16" if decode_linear.kernel() in ("amx", "avx512_bf16") else "onednn"
+    if choice == "amx":
+        if not decode_linear.amx_available():
+            raise ConfigError("engine.linear_kernel: 'amx' needs a Linux x86 CPU with AMX (amx_bf16, amx_tile, "
+                              "avx512_bf16 in /proc/cpuinfo), a C compiler and $LOCKSTEP_CPU_ISA unset or 'amx'; "
+                              "use 'onednn' or 'auto'")
+        return "bf16"
     return choice
 
 
@@ -84,7 +100,9 @@ def linear_kernel(choice: str, dtype: torch.dtype = torch.bfloat16) -> str | Non
 #: SmolLM2 shapes, F.linear is within 0.9-1.2x of them at 256 rows and 1.2-1.5x faster at 1024
 PLAIN_ROWS = 512
 #: kernel -> the weight dtype it runs
-_KERNEL_DTYPE = {"amx": torch.bfloat16, "onednn": torch.bfloat16, "f32": torch.float32}
+_KERNEL_DTYPE = {"bf16": torch.bfloat16, "onednn": torch.bfloat16, "f32": torch.float32}
+#: the C kernels (decode_linear): packed by decode_linear.pack, bias in fp32
+_C_KERNELS = ("bf16", "f32")
 
 
 class PackedLinear(numerics.SwitchableLinear):
@@ -95,11 +113,10 @@ class PackedLinear(numerics.SwitchableLinear):
     _pack_handle: int
     _pack_key: tuple
     _pack_hint: int
-    #: "amx", "onednn" (bf16; "onednn" also where a shape does not fit the AMX tiles) or "f32";
-    #: None: this layer runs unpacked (an fp32 shape the kernel does not take)
+    #: "bf16", "onednn" or "f32"; None: this layer runs unpacked (an fp32 shape the kernel does not take)
     _pack_kernel: str | None
-    #: packs this layer leads: handles (its own, or a sibling group's) ->
-    #: (packed weight, bias, stamps, C-kernel output width or None for oneDNN)
+    #: packs this layer leads: key (its handle, a sibling group's handles, or ("bi", handle) for
+    #: batch-invariant mode) -> (packed weight, bias, stamps, C-kernel output width or None for oneDNN)
     _packs: dict
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,15 +125,15 @@ class PackedLinear(numerics.SwitchableLinear):
                 or w.device.type != "cpu" or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad))):
             return super().forward(x)
         if numerics.is_batch_invariant():
-            # the batch-invariant bf16 linear is the AMX kernel on a fresh pack of this weight; the
-            # cached AMX pack holds the same bytes (bias added after, as that path does)
-            if self._pack_kernel != "amx" or torch.compiler.is_compiling():
+            # the batch-invariant bf16 linear is decode_linear's kernel on a fresh pack of this
+            # weight; a cached pack holds the same bytes (bias added after, as that path does)
+            if w.dtype != torch.bfloat16 or torch.compiler.is_compiling() or not decode_linear.available():
                 return super().forward(x)
-            out = _single_product(self, x, with_bias=False)
+            out = _single_product(self, x, with_bias=False, kernel="bf16")
             return out + self.bias if self.bias is not None else out
         if torch.compiler.is_compiling():
             return torch.ops.lockstep.packed_linear(x, self._pack_handle)
-        if self._pack_kernel != "onednn" and x.numel() > PLAIN_ROWS * x.shape[-1]:
+        if self._pack_kernel in _C_KERNELS and x.numel() > PLAIN_ROWS * x.shape[-1]:
             return super().forward(x)  # a long prefill: the library GEMM is as fast or faster there
         return _single_product(self, x)  # eager: skip the dispatcher round trip (211 calls a step)
 
@@ -134,15 +151,15 @@ def _stamp(layer: PackedLinear) -> tuple:
     return (w._version, w.data_ptr()) + ((b._version, b.data_ptr()) if b is not None else ())
 
 
-def _pack(layers: list[PackedLinear], stamps: list[tuple]) -> tuple:
-    """The layers' concatenated weight (and bias) packed for their kernel: (packed weight, bias,
+def _pack(layers: list[PackedLinear], stamps: list[tuple], kernel: str) -> tuple:
+    """The layers' concatenated weight (and bias) packed for ``kernel``: (packed weight, bias,
     stamps, C-kernel output width or None for oneDNN)."""
     weight = torch.cat([layer.weight.detach() for layer in layers]) if len(layers) > 1 else layers[0].weight.detach()
     bias = None
     if any(layer.bias is not None for layer in layers):
         bias = torch.cat([layer.bias.detach() if layer.bias is not None else
                           layer.weight.new_zeros(layer.out_features) for layer in layers])
-    if all(layer._pack_kernel in ("amx", "f32") for layer in layers):
+    if kernel in _C_KERNELS:
         return decode_linear.pack(weight), bias.float() if bias is not None else None, stamps, weight.shape[0]
     return torch.ops.mkldnn._reorder_linear_weight(weight, layers[0]._pack_hint), bias, stamps, None
 
@@ -157,19 +174,24 @@ def _run(entry: tuple, x: torch.Tensor) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def _entry(layers: list[PackedLinear], key: tuple) -> tuple:
-    """The layers' pack under ``key``, kept on the first layer (freed with it) and packed again when
-    any part's weight or bias was written or replaced since."""
+def _entry(layers: list[PackedLinear], key: tuple, kernel: str) -> tuple:
+    """The layers' pack for ``kernel`` under ``key``, kept on the first layer (freed with it) and
+    packed again when any part's weight or bias was written or replaced since."""
     stamps = [_stamp(layer) for layer in layers]
     entry = layers[0]._packs.get(key)
     if entry is None or entry[2] != stamps:
-        entry = layers[0]._packs[key] = _pack(layers, stamps)
+        entry = layers[0]._packs[key] = _pack(layers, stamps, kernel)
     return entry
 
 
-def _single_product(layer: PackedLinear, x: torch.Tensor, with_bias: bool = True) -> torch.Tensor:
-    """``layer(x)`` on its packed weight; ``with_bias=False``: ``x @ W.T`` alone."""
-    entry = _entry([layer], layer._pack_key)
+def _single_product(layer: PackedLinear, x: torch.Tensor, with_bias: bool = True,
+                    kernel: str | None = None) -> torch.Tensor:
+    """``layer(x)`` on its packed weight; ``with_bias=False``: ``x @ W.T`` alone; ``kernel``: another
+    kernel than the layer's (its pack kept under its own key)."""
+    if kernel is None or kernel == layer._pack_kernel:
+        entry = _entry([layer], layer._pack_key, layer._pack_kernel)
+    else:
+        entry = _entry([layer], ("bi", layer._pack_handle), kernel)
     if not with_bias and entry[1] is not None:
         entry = (entry[0], None, entry[2], entry[3])
     return _run(entry, x)
@@ -178,7 +200,7 @@ def _single_product(layer: PackedLinear, x: torch.Tensor, with_bias: bool = True
 def _packed_product(layers: list[PackedLinear], x: torch.Tensor) -> torch.Tensor:
     """``cat([layer(x) for layer in layers], -1)`` as one product on the layers' packed
     concatenated weight."""
-    return _run(_entry(layers, tuple(layer._pack_handle for layer in layers)), x)
+    return _run(_entry(layers, tuple(layer._pack_handle for layer in layers), layers[0]._pack_kernel), x)
 
 
 # plain schemas + CPU kernels: the dispatcher calls them with ~1 us of overhead (torch.library.custom_op
@@ -190,13 +212,13 @@ _LIB.define("packed_linear_cat(Tensor x, int[] handles) -> Tensor")
 
 def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     """``layer(x)`` for the :class:`PackedLinear` registered as ``handle``, on its packed weight."""
-    return _single_product(_LAYERS[handle](), x)
+    return _single_product(_LAYERS[handle], x)
 
 
 def packed_linear_cat(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
     """``cat([layer(x) for layer in handles], -1)`` as one product on one packed weight (the layers
     share their input: q/k/v, gate/up)."""
-    return _packed_product([_LAYERS[h]() for h in handles], x)
+    return _packed_product([_LAYERS[h] for h in handles], x)
 
 
 _LIB.impl("packed_linear", packed_linear, "CPU")
@@ -205,12 +227,12 @@ _LIB.impl("packed_linear_cat", packed_linear_cat, "CPU")
 
 @torch.library.register_fake("lockstep::packed_linear")
 def _(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _LAYERS[handle]().out_features)
+    return x.new_empty(*x.shape[:-1], _LAYERS[handle].out_features)
 
 
 @torch.library.register_fake("lockstep::packed_linear_cat")
 def _(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], sum(_LAYERS[h]().out_features for h in handles))
+    return x.new_empty(*x.shape[:-1], sum(_LAYERS[h].out_features for h in handles))
 
 
 def group_siblings(graph: torch.fx.Graph) -> None:
@@ -226,7 +248,7 @@ def group_siblings(graph: torch.fx.Graph) -> None:
         if len(nodes) < 2:
             continue
         handles = [n.args[1] for n in nodes]
-        sizes = [_LAYERS[h]().out_features for h in handles]
+        sizes = [_LAYERS[h].out_features for h in handles]
         with graph.inserting_before(nodes[0]):  # the first reader: every use of the group comes later
             cat = graph.call_function(torch.ops.lockstep.packed_linear_cat.default, (x, handles))
         with graph.inserting_after(cat):
@@ -259,21 +281,20 @@ def sibling_grouping_pass():
 
 def pack_linears(model: nn.Module, batch_hint: int, kernel: str = "onednn") -> list[PackedLinear]:
     """Make every linear layer of ``model`` a :class:`PackedLinear` (packed lazily, at first use);
-    ``batch_hint``: the row count oneDNN picks the blocked layout for; ``kernel``: "amx", "onednn"
+    ``batch_hint``: the row count oneDNN picks the blocked layout for; ``kernel``: "bf16", "onednn"
     or "f32" (:func:`linear_kernel`). Returns the layers."""
+    if kernel not in _KERNEL_DTYPE:
+        raise ValueError(f"pack_linears: kernel must be one of {', '.join(_KERNEL_DTYPE)}; got {kernel!r}")
     layers = []
     for module in model.modules():
         if type(module) in (nn.Linear, numerics.SwitchableLinear):
             module.__class__ = PackedLinear
-            module._pack_handle, module._pack_hint = len(_LAYERS), batch_hint
+            module._pack_handle, module._pack_hint = next(_HANDLES), batch_hint
             module._pack_key = (module._pack_handle,)
             fits = decode_linear.supports(module.out_features, module.in_features, _KERNEL_DTYPE[kernel])
-            if kernel == "f32":
-                module._pack_kernel = "f32" if fits else None
-            else:
-                module._pack_kernel = "amx" if kernel == "amx" and fits else "onednn"
+            module._pack_kernel = kernel if fits or kernel == "onednn" else (None if kernel == "f32" else "onednn")
             module._packs = {}
-            _LAYERS.append(weakref.ref(module))
+            _LAYERS[module._pack_handle] = module
         if isinstance(module, PackedLinear):
             layers.append(module)
     return layers

@@ -22,6 +22,7 @@ import torch
 
 from lockstep.observe._io import atomic_write_json, to_jsonable
 from lockstep.observe._sysinfo import cpu_flags, cpu_model, total_memory_bytes, usable_cores
+from lockstep.ops import isa
 
 MANIFEST_NAME = "manifest.json"
 _PKG_DIR = Path(__file__).resolve().parent.parent  # the lockstep package folder
@@ -82,6 +83,7 @@ def collect_hardware() -> dict[str, Any]:
     hw: dict[str, Any] = {
         "cpu": cpu_model(),
         "cpu_flags": cpu_flags(),
+        "kernel_isa": isa.describe(),  # the level lockstep's C kernels run at (lockstep.ops.isa)
         "logical_cores": os.cpu_count(),
         "usable_cores": usable_cores(),
         "torch_threads": torch.get_num_threads(),

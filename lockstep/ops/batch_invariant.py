@@ -9,16 +9,17 @@ log_softmax, RMSNorm) and elementwise ops do not. Two ways to make a row's bits 
   wherever a C compiler builds them): compiled without fast-math or FMA contraction, so the source
   order is the arithmetic order; each query row reduces its visible keys in position order, each
   linear output is a dot product in a fixed lane order set by K alone, depending on nothing but its
-  own inputs. No padding, tiles or copies, and the thread count does not matter. The bf16 linear,
-  on CPUs with AMX, is :mod:`lockstep.ops.decode_linear` (tile products summed in an order set by K
-  alone: row-invariant by construction), its weight packed on every call (no cached copy to go
-  stale) except in the engine's :class:`~lockstep.generate.packed.PackedLinear`, whose cached
-  pack holds the very same bytes.
+  own inputs. No padding, tiles or copies, and the thread count does not matter. The bf16 linear
+  is :mod:`lockstep.ops.decode_linear` at the process's :mod:`~lockstep.ops.isa` level (AMX tiles,
+  ``vdpbf16ps``, or plain C with ``vdpbf16ps``'s bits; sums in an order set by K alone:
+  row-invariant by construction), its weight packed on every call (no cached copy to go stale)
+  except in the engine's :class:`~lockstep.generate.packed.PackedLinear`, whose cached pack holds
+  the very same bytes.
 * **Fixed-shape tiles** (everything else): a ``bmm`` whose every entry has the *same* shape gives
   each row the same bits whatever the entry count, the row's place and its neighbours.
   :func:`tiled_matmul`: rows padded to a multiple of ``row_tile(dtype)`` (16 in fp32, 128 in
-  bf16, where oneDNN is slow below that; bf16 runs one ``mm`` per tile) - bf16 linears, fp32
-  linears without the C kernels, and MLA's :func:`head_matmul`.
+  bf16, where oneDNN is slow below that; bf16 runs one ``mm`` per tile) - linears without the C
+  kernels (no compiler, other devices), and MLA's :func:`head_matmul`.
   :func:`tiled_attention_forward` (the attention fallback): keys in fixed chunks of ``KV_CHUNK``
   positions, query rows in tiles of ``ATTN_ROW_TILE``, one bmm entry per (tile, chunk), the max
   over every visible key, chunk partials summed in chunk order.
@@ -71,8 +72,10 @@ def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int | None = None) -> t
     return out.reshape(n_tiles * tile, b.shape[1])[:m]
 
 
-def amx_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the batch-invariant bf16 linear of ``x @ weight.T`` is the AMX kernel here."""
+def c_bf16_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the batch-invariant bf16 linear of ``x @ weight.T`` is a :mod:`decode_linear` C kernel
+    here (on CPU wherever it builds: AMX, ``vdpbf16ps`` or plain C by the :mod:`~lockstep.ops.isa`
+    level; ``decode_linear.kernel`` names the one)."""
     return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and weight.device.type == "cpu"
             and decode_linear.supports(*weight.shape) and decode_linear.available())
 
@@ -80,12 +83,13 @@ def amx_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def _weight_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [M, K] @ weight [N, K].T``: in fp32 on CPU the C kernel (fixed-order dot products of
     rows read in place: no padding, and no cached weight copy to go stale when collectives or
-    FSDP's all-gather write the weight), in bf16 on AMX CPUs the AMX kernel on a pack made now,
-    otherwise fixed row tiles."""
+    FSDP's all-gather write the weight), in bf16 on CPU the bf16 C kernel of this ISA level on a
+    pack made now (the engine's packed layers run the same kernel on a cached pack of the same
+    bytes), otherwise (no compiler, other devices) fixed row tiles."""
     if (x.dtype == weight.dtype == torch.float32 and x.device.type == "cpu" and weight.device.type == "cpu"
             and bi_kernel.available()):
         return bi_kernel.linear(x, weight)
-    if amx_applies(x, weight):
+    if c_bf16_applies(x, weight):
         return decode_linear.linear(x, decode_linear.pack(weight), weight.shape[0])
     return tiled_matmul(x, weight.t())
 

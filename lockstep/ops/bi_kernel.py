@@ -7,8 +7,10 @@ order (no ``-ffast-math``, ``-ffp-contract=off``, explicit ``fmaf``): each query
 visible keys in position order, whatever else is in the call, so no tiles, padding or copies are
 needed. The file's header states the exact order.
 
-The library is compiled once per source/compiler/CPU (:mod:`lockstep.ops.cbuild`) and loaded after
-torch, so its ``#pragma omp`` uses torch's own OpenMP runtime and thread count. Without a C compiler
+The library is compiled once per source/compiler/CPU and :mod:`~lockstep.ops.isa` level (portable,
+or AVX-512 for the levels avx512 and amx: ``bi_linear.c``'s two paths, the same bits;
+:mod:`lockstep.ops.cbuild`) and loaded after torch, so its ``#pragma omp`` uses torch's own OpenMP
+runtime and thread count. Without a C compiler
 :func:`available` is false and the tiled-``bmm`` path is used instead (its bits differ from the
 kernel's, but one process always uses one of them).
 """
@@ -21,19 +23,25 @@ from pathlib import Path
 
 import torch
 
+from lockstep.ops import isa
 from lockstep.ops.cbuild import build_library
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("bi_attention.c", "bi_linear.c")]
-_FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",
+_FLAGS = ["-O3", "-mprefer-vector-width=512", "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",
           "-fopenmp", "-fPIC", "-shared"]
 #: key positions and value columns are padded to these (the kernel's lane blocks)
 KEY_BLOCK = 32
 VALUE_BLOCK = 32
 
 
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = build_library("bi_kernels", _SOURCES, _FLAGS, "the batch-invariant C kernels")
+    return _built("avx512" if isa.at_least("avx512") else "portable")
+
+
+@functools.cache
+def _built(level: str) -> ctypes.CDLL | None:
+    lib = build_library(f"bi_kernels_{level}", _SOURCES, _FLAGS + isa.march_flags(level),
+                        "the batch-invariant C kernels")
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -45,7 +53,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the C kernel could be built and loaded here (decided once per process)."""
+    """Whether the C kernels could be built and loaded here (decided once per process and level)."""
     return _library() is not None
 
 

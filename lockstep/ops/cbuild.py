@@ -1,7 +1,8 @@
 """Compile a C source set once per machine into a shared library and load it with ctypes.
 
 The library is built into ``$LOCKSTEP_CACHE`` (default ``~/.cache/lockstep``)``/kernels`` under a
-name keyed by the sources, compiler version, flags and the CPU's feature flags (a second or so, once),
+name keyed by the sources, compiler version, flags and the CPU's feature flags (a second or so, once;
+callers build one library per :mod:`lockstep.ops.isa` level they run, with its ``march_flags``),
 built aside and published atomically so concurrent processes never load a half-written file. It is
 loaded after torch, so a ``#pragma omp`` in it runs on torch's own OpenMP runtime and thread count.
 ``$LOCKSTEP_NO_C_KERNELS`` (any value) disables every C kernel: callers then take their fallbacks.
@@ -18,13 +19,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-
-def cpu_flags() -> str:
-    """This CPU's ``/proc/cpuinfo`` feature flags ("" where there is no such file)."""
-    try:
-        return next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return ""
+from lockstep.ops import isa
 
 
 def build_library(name: str, sources: list[Path], flags: list[str], purpose: str) -> ctypes.CDLL | None:
@@ -38,7 +33,7 @@ def build_library(name: str, sources: list[Path], flags: list[str], purpose: str
     except (OSError, subprocess.CalledProcessError):
         return None
     key = hashlib.sha256("\0".join([*(src.read_text() for src in sources), version, " ".join(flags),
-                                    cpu_flags()]).encode())
+                                    isa.cpu_flags_line()]).encode())
     cache = Path(os.environ.get("LOCKSTEP_CACHE", Path.home() / ".cache" / "lockstep")) / "kernels"
     path = cache / f"{name}-{key.hexdigest()[:16]}.so"
     try:

@@ -1,17 +1,22 @@
-"""Linears for decode-sized calls on prepacked weights, as C kernels (ctypes): bf16 on Intel AMX
-tiles (``csrc/amx_linear.c``), fp32 on AVX-512 (``csrc/f32_linear.c``).
+"""Linears on prepacked weights as C kernels (ctypes), picked by the CPU's :mod:`~lockstep.ops.isa` level.
 
-The generation engine's packed linears (:mod:`lockstep.generate.packed`) use them: a decode step's
-products stream each weight once, and these kernels read their packed layouts faster than oneDNN's
-prepacked bf16 linear (~1.5x on a SmolLM2 step's weights) and the BLAS behind fp32 ``F.linear``
-(~1.4x) (``benchmarks/decode_kernels.py``). Sums are fp32 in an order fixed by K alone (each C
-file's header), so a row's result does not depend on the other rows of the call; neither is
-bit-identical to ``F.linear``. bf16: products of bf16 pairs summed in fp32, bias added in fp32,
-one bf16 rounding.
+bf16, one packed layout (``csrc/bf16_linear.c``'s ``bf16_pack``) read by every bf16 kernel:
 
-:func:`available` says whether a dtype's kernel runs here (bf16: Linux x86 with ``amx_bf16``, and
-the OS granting AMX state; fp32: ``avx512f``; both: a C compiler); :func:`supports` which shapes
-it takes (``N % 16 == 0``; bf16 also ``K % 32 == 0``).
+- level ``amx``: Intel AMX tiles (``csrc/amx_linear.c``) for weights that fill whole tiles
+  (``N % 16 == 0``, ``K % 32 == 0``); other shapes take the next kernel;
+- ``avx512`` with ``avx512_bf16`` (and amx, for the other shapes): ``vdpbf16ps``
+  (``csrc/bf16_linear.c``);
+- below that: the same file's plain C path, the same bits as ``vdpbf16ps`` (its header).
+
+fp32 (``csrc/f32_linear.c``): AVX-512, levels avx512 and amx, ``N % 16 == 0``.
+
+Users: the generation engine's packed linears (:mod:`lockstep.generate.packed`: a decode step streams
+each weight once, and these kernels read their layouts faster than oneDNN's prepacked bf16 linear on
+AMX (~1.5x) and the BLAS behind fp32 ``F.linear`` (~1.4x), ``benchmarks/decode_kernels.py``), and the
+batch-invariant bf16 linear (:mod:`lockstep.ops.batch_invariant`). Every kernel sums in fp32 in an
+order fixed by K alone (each C file's header), so a row's result does not depend on the other rows
+of the call; none is bit-identical to ``F.linear``, and AMX and ``vdpbf16ps`` differ from each
+other: a process at one level uses one kernel per weight shape everywhere.
 """
 
 from __future__ import annotations
@@ -22,57 +27,99 @@ from pathlib import Path
 
 import torch
 
-from lockstep.ops.cbuild import build_library, cpu_flags
+from lockstep.ops import isa
+from lockstep.ops.cbuild import build_library
 
 _CSRC = Path(__file__).parent / "csrc"
-_COMMON = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-#: dtype -> (source, extra flags, CPU flags needed, C symbol prefix)
-_KERNELS = {
-    torch.bfloat16: ("amx_linear.c", ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"],
-                     {"amx_bf16", "amx_tile", "avx512_bf16"}, "amx"),
-    torch.float32: ("f32_linear.c", [], {"avx512f"}, "f32"),
-}
-K_BLOCK = {torch.bfloat16: 32, torch.float32: 1}
+_COMMON = ["-O3", "-fopenmp", "-fPIC", "-shared"]
 N_BLOCK = 16
+#: the AMX kernel's k block (bf16 pairs of 16 rows of a tile)
+AMX_K_BLOCK = 32
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+def _typed(fn, n_ptr: int, n_int: int):
+    fn.argtypes, fn.restype = [_PTR] * n_ptr + [_I64] * n_int, None
+    return fn
 
 
 @functools.cache
-def _library(dtype: torch.dtype) -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr] | None:
-    """``dtype``'s (pack, linear) C functions, or None where they cannot run."""
-    source, flags, needed, prefix = _KERNELS[dtype]
-    if not needed <= set(cpu_flags().split()):
+def _bf16_library(level: str) -> tuple | None:
+    """The (pack, linear) functions of ``bf16_linear.c`` built for ``level``, or None without a compiler."""
+    lib = build_library(f"bf16_linear_{level}", [_CSRC / "bf16_linear.c"],
+                        _COMMON + isa.march_flags(level) + ["-ffp-contract=off", "-fno-fast-math"],
+                        "the bf16 linear kernel")
+    return None if lib is None else (_typed(lib.bf16_pack, 2, 2), _typed(lib.bf16_linear, 4, 3))
+
+
+@functools.cache
+def _amx_library():
+    """``amx_linear`` (AMX tile state granted), or None."""
+    lib = build_library("amx_linear", [_CSRC / "amx_linear.c"],
+                        _COMMON + isa.march_flags("amx") + ["-mamx-tile", "-mamx-bf16", "-mavx512bf16"],
+                        "the AMX linear kernel")
+    if lib is None or lib.amx_request_permission() != 0:
         return None
-    lib = build_library(prefix + "_linear", [_CSRC / source], _COMMON + flags, f"the {prefix} linear kernel")
-    if lib is None or (dtype == torch.bfloat16 and lib.amx_request_permission() != 0):
+    return _typed(lib.amx_linear, 4, 3)
+
+
+@functools.cache
+def _f32_library() -> tuple | None:
+    lib = build_library("f32_linear", [_CSRC / "f32_linear.c"], _COMMON + isa.march_flags("avx512"),
+                        "the fp32 linear kernel")
+    return None if lib is None else (_typed(lib.f32_pack, 2, 2), _typed(lib.f32_linear, 4, 3))
+
+
+def amx_fits(out_features: int, in_features: int) -> bool:
+    """Whether a bf16 ``[out_features, in_features]`` weight fills the AMX kernel's tiles."""
+    return out_features > 0 and out_features % N_BLOCK == 0 and in_features % AMX_K_BLOCK == 0
+
+
+def kernel(dtype: torch.dtype = torch.bfloat16, out_features: int = N_BLOCK, in_features: int = AMX_K_BLOCK) -> str | None:
+    """Which kernel a ``dtype [out_features, in_features]`` weight runs at the current level:
+    "amx", "avx512_bf16", "portable_bf16", "avx512_f32", or None (none here)."""
+    level = isa.level()
+    if dtype == torch.float32:
+        return "avx512_f32" if isa.at_least("avx512") and _f32_library() is not None else None
+    if dtype != torch.bfloat16 or _bf16_library(level) is None:
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    pack_fn, linear_fn = getattr(lib, prefix + "_pack"), getattr(lib, prefix + "_linear")
-    pack_fn.argtypes, pack_fn.restype = [ptr, ptr, i64, i64], None
-    linear_fn.argtypes, linear_fn.restype = [ptr] * 4 + [i64] * 3, None
-    return pack_fn, linear_fn
+    if level == "amx" and amx_fits(out_features, in_features) and _amx_library() is not None:
+        return "amx"
+    return "avx512_bf16" if isa.avx512_bf16() else "portable_bf16"
 
 
 def available(dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether ``dtype``'s kernel runs here (decided once per process)."""
-    return dtype in _KERNELS and _library(dtype) is not None
+    """Whether ``dtype``'s kernels run here at the current level (a C compiler; fp32: AVX-512)."""
+    return kernel(dtype) is not None
+
+
+def amx_available() -> bool:
+    """Whether whole-tile bf16 weights run on AMX here (level amx, the OS granting tile state)."""
+    return kernel(torch.bfloat16) == "amx"
 
 
 def supports(out_features: int, in_features: int, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether a ``[out_features, in_features]`` weight of ``dtype`` fits the kernel's blocks."""
-    return (dtype in _KERNELS and out_features > 0 and out_features % N_BLOCK == 0
-            and in_features % K_BLOCK[dtype] == 0)
+    """Whether a ``[out_features, in_features]`` weight of ``dtype`` fits the kernels' layout (bf16:
+    any shape; fp32: ``N % 16 == 0``)."""
+    if dtype == torch.bfloat16:
+        return out_features > 0 and in_features > 0
+    return dtype == torch.float32 and out_features > 0 and out_features % N_BLOCK == 0
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 or fp32 ``[N, K]`` weight in its kernel's layout (a new flat tensor of N*K elements)."""
+    """A bf16 or fp32 ``[N, K]`` weight in its kernels' layout (a new flat tensor; bf16: N and K
+    padded with zeros to multiples of 16 and 32)."""
     n, k = weight.shape
     if not supports(n, k, weight.dtype):
-        raise ValueError(f"decode_linear.pack: needs a bf16 [N, K] weight with N % {N_BLOCK} == 0 and "
-                         f"K % {K_BLOCK[torch.bfloat16]} == 0, or an fp32 one with N % {N_BLOCK} == 0; "
-                         f"got {tuple(weight.shape)} {weight.dtype}")
+        raise ValueError(f"decode_linear.pack: needs a non-empty bf16 [N, K] weight, or an fp32 one with "
+                         f"N % {N_BLOCK} == 0; got {tuple(weight.shape)} {weight.dtype}")
     weight = weight.detach().contiguous()
-    packed = torch.empty(n * k, dtype=weight.dtype)
-    _library(weight.dtype)[0](weight.data_ptr(), packed.data_ptr(), n, k)
+    if weight.dtype == torch.float32:
+        packed = torch.empty(n * k, dtype=weight.dtype)
+        _f32_library()[0](weight.data_ptr(), packed.data_ptr(), n, k)
+        return packed
+    packed = torch.empty(-(-n // N_BLOCK) * N_BLOCK * -(-k // AMX_K_BLOCK) * AMX_K_BLOCK, dtype=weight.dtype)
+    _bf16_library(isa.level())[0](weight.data_ptr(), packed.data_ptr(), n, k)
     return packed
 
 
@@ -83,7 +130,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
         x = x.contiguous()
     out = x.new_empty((*x.shape[:-1], out_features))
     rows = out.numel() // out_features if out_features else 0
-    if rows:  # per call: ~1 us of Python here (the engine makes ~120 of these a decode step)
-        _library(x.dtype)[1](x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None,
-                             out.data_ptr(), rows, out_features, x.shape[-1])
+    if rows:  # per call: ~1-2 us of Python here (the engine makes ~120 of these a decode step)
+        k = x.shape[-1]
+        if x.dtype == torch.float32:
+            fn = _f32_library()[1]
+        else:
+            level = isa.level()
+            fn = _amx_library() if level == "amx" and amx_fits(out_features, k) else None
+            fn = fn or _bf16_library(level)[1]
+        fn(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), rows,
+           out_features, k)
     return out

@@ -4,7 +4,9 @@ The generation engine's decode step (one new token per sequence) otherwise gathe
 contexts into contiguous ``[B, Hkv, S, D]`` copies and runs SDPA on them; this kernel reads the keys
 and values where they sit in the block pools, through the block tables, once per (sequence, kv head)
 for all the query heads that share them. fp32 arithmetic, softmax with the row maximum subtracted
-(the C file states the order); close to SDPA (tested), not its bits. Used by
+(the C file states the order); close to SDPA (tested), not its bits. Built per
+:mod:`~lockstep.ops.isa` level: an AVX-512 path (levels avx512 and amx) and a portable one, both
+tested wherever they run. Used by
 :meth:`lockstep.generate.cache.LayerCache.attend` for the ``sdpa`` backend on CPU when
 :func:`usable` says so; the batch-invariant and reference backends never take it.
 
@@ -21,17 +23,23 @@ from pathlib import Path
 
 import torch
 
+from lockstep.ops import isa
 from lockstep.ops.cbuild import build_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-shared"]
 #: the kernel's dot-product lanes: head dims must be a multiple
 LANES = 16
 
 
-@functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = build_library("paged_attention", [_SOURCE], _FLAGS, "the paged decode attention kernel")
+    return _built("avx512" if isa.at_least("avx512") else "portable")
+
+
+@functools.cache
+def _built(level: str) -> ctypes.CDLL | None:
+    lib = build_library(f"paged_attention_{level}", [_SOURCE], _FLAGS + isa.march_flags(level),
+                        "the paged decode attention kernel")
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -41,7 +49,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the kernel could be built and loaded here (decided once per process)."""
+    """Whether the kernel could be built and loaded here (decided once per process and level)."""
     return _library() is not None
 
 

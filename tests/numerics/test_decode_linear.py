@@ -1,30 +1,46 @@
-"""The decode linears (``lockstep.ops.decode_linear``): what their C headers promise, for the bf16
-AMX kernel and the fp32 AVX-512 kernel.
+"""The C linears (``lockstep.ops.decode_linear``): what their C headers promise, for every kernel this
+machine runs: bf16 on AMX tiles, bf16 ``vdpbf16ps`` (AVX-512), bf16 plain C, and fp32 AVX-512.
+
+Each kernel is reached by forcing its :mod:`lockstep.ops.isa` level (``isa_level``, tests/conftest.py):
+bf16 at every level this CPU runs (amx, avx512, portable), fp32 at avx512 (its only build). A level
+the CPU lacks is not collected; the lower ones are.
 
 - values: fp32 sums (of exact bf16 products, then one bf16 rounding; or fp32 fused multiply-adds)
   within the error bound below of a float64 reference, for row counts across the kernels' row
-  blocks (16 / 12), column counts across their column groups, both K of SmolLM2, with and
-  without bias;
+  blocks (16 / 12 / 6), column counts across their column groups, both K of SmolLM2, with and
+  without bias; bf16 also at shapes off the AMX tiles (padded pack);
 - a row's bits do not depend on the other rows of the call, where it sits, or the thread count
   (``torch.equal``);
-- shapes that do not fit are refused by ``pack`` with a message naming them, and ``supports`` says
-  so beforehand.
-
-Each dtype runs only where its kernel exists (AMX / AVX-512 and a C compiler; the engine otherwise
-uses oneDNN / F.linear).
+- the ``vdpbf16ps`` path and the plain C path give the same bits (the C header's claim), denormals
+  included;
+- shapes that do not fit are refused by ``pack`` with a message naming them.
 """
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from lockstep.ops import decode_linear
+from lockstep.ops import decode_linear, isa
 
-DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(not decode_linear.available(dtype), reason=f"no {name} kernel here"),
-                       id=name)
-          for dtype, name in ((torch.bfloat16, "bf16-amx"), (torch.float32, "fp32-avx512"))]
-AMX = pytest.mark.skipif(not decode_linear.available(torch.bfloat16), reason="no AMX on this CPU (or no C compiler)")
+#: (dtype, level): every kernel build this machine runs
+KERNELS = [pytest.param((torch.bfloat16, level), id=f"bf16-{level}") for level in isa.runnable()]
+KERNELS += [pytest.param((torch.float32, "avx512"), id="fp32-avx512")] if "avx512" in isa.runnable() else []
+#: which kernel a whole-tile bf16 weight runs at each level
+EXPECTED = {"amx": "amx", "avx512": "avx512_bf16" if "avx512_bf16" in isa.cpu_flags() else "portable_bf16",
+            "portable": "portable_bf16"}
+
+
+@pytest.fixture
+def kernel(request):
+    dtype, level = request.param
+    with isa.forced(level):
+        assert decode_linear.available(dtype)
+        if dtype == torch.bfloat16:
+            assert decode_linear.kernel(dtype, 960, 576) == EXPECTED[level]
+        yield dtype
 
 
 def _case(m: int, n: int, k: int, bias: bool, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
@@ -46,22 +62,40 @@ def _error_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ref: 
     return (k + 1) * 2.0**-24 * magnitude * (1 + final) + final * ref.abs()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 7, 12, 13, 16, 17, 40])
+@functools.cache
+def _reference(m: int, n: int, k: int, bias: bool, dtype: torch.dtype):
+    """A case, its float64 result and its error bound (shared by every kernel's test)."""
+    x, w, b = _case(m, n, k, bias, dtype=dtype)
+    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+    return x, w, b, ref, _error_bound(x, w, b, ref)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("m", [1, 7, 13, 17, 40])  # row blocks: 6 (bf16 C), 12 (fp32), 16 (AMX)
 @pytest.mark.parametrize("n,k", [(16, 32), (80, 576), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_values_within_the_rounding_bound(m, n, k, bias, dtype):
-    x, w, b = _case(m, n, k, bias, dtype=dtype)
+def test_values_within_the_rounding_bound(m, n, k, bias, kernel):
+    x, w, b, ref, bound = _reference(m, n, k, bias, kernel)
     got = decode_linear.linear(x, decode_linear.pack(w), n, b)
-    assert got.dtype == dtype and got.shape == (m, n)
-    ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
-    excess = (got.double() - ref).abs() - _error_bound(x, w, b, ref)
+    assert got.dtype == kernel and got.shape == (m, n)
+    excess = (got.double() - ref).abs() - bound
     assert excess.max() <= 0, f"worst excess over the bound {excess.max().item():.3g}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_leading_dims_and_empty_input(dtype):
-    x, w, _ = _case(6, 48, 64, False, dtype=dtype)
+@pytest.mark.parametrize("isa_level", isa.runnable(), indirect=True)
+@pytest.mark.parametrize("n,k", [(40, 37), (17, 1), (322, 192), (8, 64)])
+def test_bf16_shapes_off_the_tiles(n, k, isa_level):
+    """Any N and K: the pack pads with zeros, the kernel masks the last columns and reads x only to K."""
+    x, w, b = _case(9, n, k, True, seed=3)
+    got = decode_linear.linear(x, decode_linear.pack(w), n, b)
+    ref = x.double() @ w.double().T + b.double()
+    assert ((got.double() - ref).abs() <= _error_bound(x, w, b, ref)).all()
+    assert torch.equal(decode_linear.linear(x[4:5], decode_linear.pack(w), n, b)[0], got[4])
+
+
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_leading_dims_and_empty_input(kernel):
+    x, w, _ = _case(6, 48, 64, False, dtype=kernel)
     packed = decode_linear.pack(w)
     flat = decode_linear.linear(x, packed, 48)
     assert torch.equal(decode_linear.linear(x.view(2, 3, 64), packed, 48), flat.view(2, 3, 48))
@@ -69,13 +103,13 @@ def test_leading_dims_and_empty_input(dtype):
     assert decode_linear.linear(x[:0], packed, 48).shape == (0, 48)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("n,k", [(80, 576), (960, 576)])
-def test_a_row_does_not_depend_on_the_batch_or_threads(n, k, dtype):
-    x, w, b = _case(40, n, k, True, seed=1, dtype=dtype)
+def test_a_row_does_not_depend_on_the_batch_or_threads(n, k, kernel):
+    x, w, b = _case(40, n, k, True, seed=1, dtype=kernel)
     packed = decode_linear.pack(w)
     batch = decode_linear.linear(x, packed, n, b)
-    for i in (0, 11, 12, 15, 16, 17, 39):  # first/last rows of row blocks, and the partial last block
+    for i in (0, 5, 6, 11, 12, 15, 16, 17, 39):  # first/last rows of row blocks, and the partial last block
         assert torch.equal(decode_linear.linear(x[i:i + 1], packed, n, b)[0], batch[i]), i
     assert torch.equal(decode_linear.linear(x.flip(0), packed, n, b), batch.flip(0))
     assert torch.equal(decode_linear.linear(x[9:30], packed, n, b), batch[9:30])
@@ -87,12 +121,29 @@ def test_a_row_does_not_depend_on_the_batch_or_threads(n, k, dtype):
         torch.set_num_threads(before)
 
 
-@AMX
-def test_close_to_onednn_but_not_required_bitwise():
+@pytest.mark.skipif("avx512" not in isa.runnable() or "avx512_bf16" not in isa.cpu_flags(),
+                    reason="vdpbf16ps needs a CPU with avx512_bf16: there is only the plain C path to test")
+def test_vdpbf16ps_and_plain_c_give_the_same_bits():
+    """bf16_linear.c's two paths: the same operations (fma pairs, DAZ/FTZ), so the same bits, on
+    random shapes and on denormal inputs and products (flushed alike)."""
+    cases = [_case(m, n, k, bias, seed=m + n) for m, n, k, bias in ((1, 576, 576, False), (13, 40, 37, True),
+                                                                     (50, 322, 192, True), (7, 960, 1536, False))]
+    tiny = torch.tensor([1e-39, 1.0, -2.0, 3e-39, 1e-20, 1.3e-19, -5e-21, 0.5] * 8)
+    cases.append((tiny[None].to(torch.bfloat16), (tiny.flip(0)[None] * tiny[:16, None]).to(torch.bfloat16), None))
+    for x, w, b in cases:
+        outs = []
+        for level in ("avx512", "portable"):
+            with isa.forced(level):
+                outs.append(decode_linear.linear(x, decode_linear.pack(w), w.shape[0], b))
+        assert torch.equal(*outs), tuple(w.shape)
+
+
+@pytest.mark.parametrize("isa_level", isa.runnable(), indirect=True)
+def test_close_to_onednn_but_not_required_bitwise(isa_level):
     """oneDNN's linear sums in its own order; without bias both stay within the bound of the exact
     result, so they differ by at most twice the bound (a bf16 ulp or so where they differ at all).
-    (With a bf16 bias oneDNN rounds the product to bf16 before adding it: two roundings; this
-    kernel adds the bias in fp32 and rounds once.)"""
+    (With a bf16 bias oneDNN rounds the product to bf16 before adding it: two roundings; these
+    kernels add the bias in fp32 and round once.)"""
     x, w, _ = _case(16, 960, 576, False, seed=2)
     ours = decode_linear.linear(x, decode_linear.pack(w), 960).double()
     theirs = torch.nn.functional.linear(x, w).double()
@@ -100,11 +151,12 @@ def test_close_to_onednn_but_not_required_bitwise():
     assert ((ours - theirs).abs() <= 2 * _error_bound(x, w, None, ref)).all()
 
 
-def test_shapes_outside_the_tiles_are_refused():
-    assert decode_linear.supports(64, 576) and not decode_linear.supports(40, 64) and not decode_linear.supports(64, 48)
+def test_shapes_outside_the_layouts_are_refused():
+    assert decode_linear.supports(64, 576) and decode_linear.supports(40, 37) and not decode_linear.supports(0, 64)
+    assert decode_linear.amx_fits(64, 576) and not decode_linear.amx_fits(40, 64) and not decode_linear.amx_fits(64, 48)
     assert decode_linear.supports(64, 48, torch.float32) and not decode_linear.supports(40, 64, torch.float32)
     assert not decode_linear.supports(64, 64, torch.float16)
-    with pytest.raises(ValueError, match=r"got \(40, 64\) torch.bfloat16"):
-        decode_linear.pack(torch.zeros(40, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"got \(40, 64\) torch.float32"):
+        decode_linear.pack(torch.zeros(40, 64))
     with pytest.raises(ValueError, match=r"got \(64, 64\) torch.float16"):
         decode_linear.pack(torch.zeros(64, 64, dtype=torch.float16))

@@ -1,4 +1,5 @@
-/* bf16 linear on Intel AMX tiles for the generation engine's decode steps (lockstep/ops/decode_linear.py).
+/* bf16 linear on Intel AMX tiles (lockstep/ops/decode_linear.py): the generation engine's decode steps and,
+ * at isa level "amx", the batch-invariant bf16 linear.
  *
  * out[M, N] = x[M, K] @ W[N, K]^T (+ bias), products and sums in fp32, one bf16 rounding at the end
  * (round to nearest even, as every bf16 GEMM here).
@@ -8,7 +9,7 @@
  * SmolLM2's weights at 20-33 GB/s; this kernel, on a layout where every thread reads one contiguous
  * stretch of 1 KB tiles, at 36-52 GB/s on the same host.
  *
- * Packed layout (amx_pack): for each block of 16 output columns, the K/32 tiles of that block one
+ * Packed layout (bf16_pack, csrc/bf16_linear.c): for each block of 16 output columns, the K/32 tiles of that block one
  * after another; tile (n-block j, k-block b) holds W[16j + c][32b + 2r + i] at [r][c][i]
  * (16 rows of 16 column pairs), the B operand layout TDPBF16PS multiplies with.
  *
@@ -35,21 +36,6 @@
 /* Linux hands out AMX tile state only to processes that ask for it; 0 on success. */
 int amx_request_permission(void) {
     return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
-}
-
-void amx_pack(const uint16_t *weight, uint16_t *packed, int64_t n, int64_t k) {
-    int64_t kb = k / 32;
-    #pragma omp parallel for schedule(static)
-    for (int64_t j = 0; j < n / 16; j++)
-        for (int64_t b = 0; b < kb; b++) {
-            uint16_t *tile = packed + (j * kb + b) * 512;
-            for (int r = 0; r < 16; r++)
-                for (int c = 0; c < 16; c++) {
-                    const uint16_t *src = weight + (j * 16 + c) * k + b * 32 + 2 * r;
-                    tile[r * 32 + c * 2] = src[0];
-                    tile[r * 32 + c * 2 + 1] = src[1];
-                }
-        }
 }
 
 typedef struct {

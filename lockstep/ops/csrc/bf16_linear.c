@@ -1,0 +1,176 @@
+/* bf16 linear without AMX: AVX-512 vdpbf16ps where the CPU has avx512_bf16, plain C otherwise
+ * (lockstep/ops/decode_linear.py). Also the packing every bf16 C kernel reads (amx_linear.c too).
+ *
+ * out[M, N] = x[M, K] @ W[N, K]^T (+ bias), products and sums in fp32, one bf16 rounding at the end.
+ *
+ * Why: the batch-invariant bf16 linear (trainer and generator) on CPUs without AMX, and the
+ * engine's packed decode linears there: each output's arithmetic is fixed by K alone, so a row's
+ * bits do not depend on the other rows of the call, where it sits, the thread count or the register
+ * block that computes it; any N and K (no padding of rows, no fixed-shape tiles).
+ *
+ * Packed layout (bf16_pack; the B operand layout of AMX's TDPBF16PS and of vdpbf16ps): N padded to
+ * a multiple of 16 and K to a multiple of 32 with zeros; for each block j of 16 output columns, K/2
+ * "pair rows" of 32 bf16, pair row p holding W[16j + c][2p + i] at [c][i]. A block is one
+ * contiguous run (the AMX kernel reads it as K/32 tiles of 16 pair rows).
+ *
+ * Arithmetic order, per output element (x, w its row of x and of W; P = ceil(K / 2); a missing
+ * x[K] for odd K is +0):
+ *   acc = +0
+ *   for p = 0, 1, ..., P-1:  acc = fma(x[2p+1], w[2p+1], acc); acc = fma(x[2p], w[2p], acc)
+ *   out = bf16_round_nearest_even(acc + bias)          (bias fp32, or nothing)
+ * with vdpbf16ps's rules in every fma: bf16 inputs that are denormal read as 0 (DAZ), a denormal
+ * result becomes a zero of its sign (FTZ); the final rounding also reads a denormal sum as 0
+ * (vcvtneps2bf16). The AVX-512 path is that instruction (one per pair row and 16 columns, per its
+ * specification the odd product first); the plain C path spells the same operations out, compiled
+ * with -ffp-contract=off (the fmaf calls are the only fused operations), so both give the same bits
+ * (tested). Neither gives oneDNN's or the AMX kernel's bits (other summation orders).
+ *
+ * Threads (torch's OpenMP runtime) take work items of up to 48 rows x 4 column blocks; each item is
+ * computed in register blocks of up to 6 rows x 4 column blocks (24 accumulators).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <omp.h>
+
+#define RB 6       /* rows per register block */
+#define CB 4       /* column blocks of 16 per register block and per work item */
+#define M_ITEM 48  /* rows per work item */
+
+static inline int64_t pair_rows(int64_t k) { return (k + 31) / 32 * 16; }
+
+void bf16_pack(const uint16_t *weight, uint16_t *packed, int64_t n, int64_t k) {
+    const int64_t blocks = (n + 15) / 16, pairs = pair_rows(k);
+    #pragma omp parallel for schedule(static)
+    for (int64_t j = 0; j < blocks; j++)
+        for (int64_t p = 0; p < pairs; p++) {
+            uint16_t *row = packed + (j * pairs + p) * 32;
+            for (int c = 0; c < 16; c++)
+                for (int i = 0; i < 2; i++) {
+                    const int64_t col = j * 16 + c, kk = 2 * p + i;
+                    row[c * 2 + i] = (col < n && kk < k) ? weight[col * k + kk] : 0;
+                }
+        }
+}
+
+/* x's pair p of a row (x[2p] low, x[2p+1] high), +0 past K */
+static inline uint32_t x_pair(const uint16_t *x, int64_t p, int64_t k) {
+    const uint32_t lo = x[2 * p], hi = 2 * p + 1 < k ? x[2 * p + 1] : 0;
+    return lo | hi << 16;
+}
+
+static inline float daz_widen(uint16_t h) {
+    uint32_t u = (h & 0x7f80u) ? (uint32_t)h << 16 : (uint32_t)(h & 0x8000u) << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t round_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    if (!(u & 0x7f800000u))
+        return (uint16_t)((u >> 16) & 0x8000u); /* a denormal reads as 0 */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+
+/* R rows x C column blocks over every pair row; cols: live columns of the last block (16 if full). */
+static inline __attribute__((always_inline)) void block(const int R, const int C, const uint16_t *x, const uint16_t *w,
+                                                        const float *bias, uint16_t *out, int64_t n, int64_t k,
+                                                        int64_t col0, int cols) {
+    const int64_t pairs = pair_rows(k), live = (k + 1) / 2;
+    __m512 acc[RB][CB];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < live; p++) {
+        __m512bh wv[CB];
+        for (int c = 0; c < C; c++) wv[c] = (__m512bh)_mm512_loadu_si512(w + (c * pairs + p) * 32);
+        for (int r = 0; r < R; r++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x_pair(x + r * k, p, k));
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv, wv[c]);
+        }
+    }
+    for (int c = 0; c < C; c++) {
+        const int64_t col = col0 + c * 16;
+        const __mmask16 mask = (c == C - 1 && cols < 16) ? (__mmask16)((1u << cols) - 1) : (__mmask16)0xffff;
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+        for (int r = 0; r < R; r++) {
+            const __m256bh h = _mm512_cvtneps_pbh(bias ? _mm512_add_ps(acc[r][c], b) : acc[r][c]);
+            _mm256_mask_storeu_epi16(out + r * n + col, mask, (__m256i)h);
+        }
+    }
+}
+#else
+static inline float ftz(float v) { return fabsf(v) < 0x1p-126f ? copysignf(0.0f, v) : v; }
+
+static inline __attribute__((always_inline)) void block(const int R, const int C, const uint16_t *x, const uint16_t *w,
+                                                        const float *bias, uint16_t *out, int64_t n, int64_t k,
+                                                        int64_t col0, int cols) {
+    const int64_t pairs = pair_rows(k), live = (k + 1) / 2;
+    float acc[RB][CB][16];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++)
+            for (int l = 0; l < 16; l++) acc[r][c][l] = 0.0f;
+    for (int64_t p = 0; p < live; p++)
+        for (int r = 0; r < R; r++) {
+            const uint32_t xp = x_pair(x + r * k, p, k);
+            const float x0 = daz_widen((uint16_t)xp), x1 = daz_widen((uint16_t)(xp >> 16));
+            for (int c = 0; c < C; c++) {
+                const uint16_t *wr = w + (c * pairs + p) * 32;
+                float *a = acc[r][c];
+#pragma omp simd
+                for (int l = 0; l < 16; l++) {
+                    float v = ftz(fmaf(x1, daz_widen(wr[2 * l + 1]), a[l]));
+                    a[l] = ftz(fmaf(x0, daz_widen(wr[2 * l]), v));
+                }
+            }
+        }
+    for (int c = 0; c < C; c++) {
+        const int64_t col = col0 + c * 16;
+        const int live_cols = c == C - 1 ? cols : 16;
+        for (int r = 0; r < R; r++)
+            for (int l = 0; l < live_cols; l++)
+                out[r * n + col + l] = round_bf16(bias ? acc[r][c][l] + bias[col + l] : acc[r][c][l]);
+    }
+}
+#endif
+
+#define ROWS_CASE(R)                                                                                   \
+    case R:                                                                                            \
+        switch (c) {                                                                                   \
+            case 1: block(R, 1, x, w, bias, out, n, k, col0, cols); break;                             \
+            case 2: block(R, 2, x, w, bias, out, n, k, col0, cols); break;                             \
+            case 3: block(R, 3, x, w, bias, out, n, k, col0, cols); break;                             \
+            default: block(R, 4, x, w, bias, out, n, k, col0, cols); break;                            \
+        }                                                                                              \
+        break;
+
+static void dispatch(int r, int c, const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out, int64_t n,
+                     int64_t k, int64_t col0, int cols) {
+    switch (r) { ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) }
+}
+
+/* x [M, K] bf16 contiguous, packed = bf16_pack(W), bias fp32 [N] or NULL, out [M, N] bf16. */
+void bf16_linear(const uint16_t *x, const uint16_t *packed, const float *bias, uint16_t *out, int64_t m, int64_t n,
+                 int64_t k) {
+    const int64_t blocks = (n + 15) / 16, groups = (blocks + CB - 1) / CB, items_m = (m + M_ITEM - 1) / M_ITEM;
+    const int64_t pairs = pair_rows(k);
+    #pragma omp parallel for schedule(static) collapse(2)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t im = 0; im < items_m; im++) {
+            const int64_t j0 = g * CB, c = blocks - j0 < CB ? blocks - j0 : CB;
+            const int64_t col0 = j0 * 16, last = n - (j0 + c - 1) * 16;
+            const int cols = last < 16 ? (int)last : 16;
+            const int64_t m1 = (im + 1) * M_ITEM < m ? (im + 1) * M_ITEM : m;
+            for (int64_t m0 = im * M_ITEM; m0 < m1; m0 += RB) {
+                const int r = m1 - m0 < RB ? (int)(m1 - m0) : RB;
+                dispatch(r, (int)c, x + m0 * k, packed + j0 * pairs * 32, bias, out + m0 * n, n, k, col0, cols);
+            }
+        }
+}
