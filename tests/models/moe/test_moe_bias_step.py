@@ -177,3 +177,30 @@ def test_a_recompute_adds_no_counts_under_either_checkpoint_implementation(use_r
     checkpoint(moe, x, use_reentrant=use_reentrant).square().sum().backward()
     assert x.grad is not None and torch.equal(moe.pending_counts, once)
     assert int(once.sum()) == 3 * 5 * 2
+
+
+@pytest.mark.xdist_group("trainer")
+def test_trainer_steps_the_bias_once_per_step_with_and_without_activation_checkpointing(tmp_path):
+    """The trainer's optimizer step reaches the routers: 2 steps of 2 micro-batches move the bias
+    (pooled, once per step) and "full" AC trains bitwise like "none" (losses and biases)."""
+    from lockstep.recipes import get_recipe
+    from lockstep.train.trainer import Trainer
+
+    speed = 1e-3  # small: the router's scores, not the bias, decide most choices (no full flip-back)
+    runs = {}
+    for mode in ("none", "full"):
+        cfg = get_recipe("debug-moe").config()
+        cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / mode), steps=2, model=dataclasses.replace(
+            cfg.model, feed_forward=dataclasses.replace(cfg.model.feed_forward, bias_update_speed=speed)))
+        cfg.training = dataclasses.replace(cfg.training, grad_accum=2, activation_checkpoint=mode)
+        cfg.output = dataclasses.replace(cfg.output, progress=False, sample_tokens=0, save_weights=False)
+        cfg.validation = dataclasses.replace(cfg.validation, every=0)
+        trainer = Trainer(cfg)
+        result = trainer.fit()
+        runs[mode] = (result.losses, _biases(trainer.model))
+    (losses, biases), (ac_losses, ac_biases) = runs["none"], runs["full"]
+    assert losses == ac_losses
+    for name, bias in biases.items():
+        assert torch.equal(bias, ac_biases[name]), name
+        # two sign steps (four, one per micro-batch, could reach 4 * speed), and it moved
+        assert 0 < bias.abs().max() <= 2 * speed + 1e-7, name
