@@ -56,7 +56,7 @@ run() {
     line FAIL "$name" "ran, but $dir/manifest.json records no cuda device (log: $log) $took"
   else
     local summary
-    summary="$(grep -E 'final train loss|validation loss|^reward|logprob_diff' "$log" | paste -sd ';' -)"
+    summary="$(grep -E 'final train loss|validation loss|^reward|logprob_diff' "$log" | paste -sd ';' - | sed 's/;/; /g')"
     line PASS "$name" "${summary:-finished} $took"
   fi
 }
