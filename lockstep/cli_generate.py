@@ -3,8 +3,8 @@
     lockstep generate --checkpoint DIR --prompt TEXT [--chat] [sampling flags] [--json]
     lockstep chat --checkpoint DIR [sampling flags]
 
-DIR is a Hugging Face model directory, a lockstep model directory or a training run directory
-(see :mod:`lockstep.model_source`). Decoding is greedy unless ``--temperature`` is > 0.
+DIR is a Hugging Face model directory, a lockstep model directory, a training run directory, a
+llama .gguf file or a pretrained name (see :mod:`lockstep.load`). Decoding is greedy unless ``--temperature`` is > 0.
 ``generate`` streams the completion to stdout (``--json``: one JSON object with token ids,
 log-probabilities, text and finish reason instead). ``chat`` reads one user turn per stdin line,
 renders the whole conversation with the model's chat template, streams the reply and keeps it in
@@ -33,7 +33,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "Complete a prompt with a model or run directory." if prog == "generate" else
         "Chat with a model on stdin/stdout (one user turn per line; /exit or EOF ends, /reset clears)."))
     parser.add_argument("--checkpoint", required=True, metavar="DIR",
-                        help="Hugging Face model dir, lockstep model dir, or training run dir (latest checkpoint)")
+                        help="Hugging Face model dir, lockstep model dir, training run dir (latest checkpoint), "
+                             "a llama .gguf file, or a pretrained name (smollm2)")
     parser.add_argument("--step", type=int, default=None, help="a run directory's checkpoint step (default: latest)")
     if prog == "generate":
         parser.add_argument("--prompt", required=True, help="the text to complete")
@@ -64,10 +65,13 @@ def _parse(prog: str, argv: list[str]) -> argparse.Namespace:
     # argparse exits 2 with a usage line on a missing/unknown flag; that already is a one-line error
     args = parser.parse_args(argv)
     checkpoint = Path(args.checkpoint).expanduser()
-    if not checkpoint.exists():  # before importing torch: the common typo fails at once
+    # before importing torch, so the common typo fails at once (lockstep.load checks again; a bare
+    # name may be a pretrained model it knows)
+    if not checkpoint.exists() and len(checkpoint.parts) > 1:
         raise ConfigError(f"--checkpoint {checkpoint}: no such directory")
-    if not checkpoint.is_dir():
-        raise ConfigError(f"--checkpoint {checkpoint}: not a directory (expected a model or run directory)")
+    if checkpoint.is_file() and checkpoint.suffix != ".gguf":
+        raise ConfigError(f"--checkpoint {checkpoint}: not a directory (expected a model or run directory, "
+                          "or a .gguf file)")
     if prog == "generate" and not args.prompt.strip():
         raise ConfigError("--prompt: must not be empty")
     if args.step is not None and args.step < 0:
@@ -100,9 +104,10 @@ def _sampling(args: argparse.Namespace, extra_stop_ids: list[int]) -> Any:
 
 
 def _load(args: argparse.Namespace, need_template: bool) -> Any:
-    from lockstep.model_source import load_model_source
+    from lockstep.load import load_model
 
-    source = load_model_source(args.checkpoint, step=args.step, dtype=None if args.dtype == "auto" else args.dtype)
+    source = load_model(args.checkpoint, step=args.step, dtype=None if args.dtype == "auto" else args.dtype)
+    source.model.eval()
     if args.chat_template is not None:
         source.chat_template = _template_from_file(Path(args.chat_template), source.tokenizer)
     if need_template and source.chat_template is None:

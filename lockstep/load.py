@@ -1,49 +1,81 @@
-"""What a ``--checkpoint DIR`` names, loaded for generation: model, tokenizer, chat template, stop ids.
+"""The one way lockstep loads a model: ``load_model(source)`` -> model, tokenizer, and what they are.
 
-``load_model_source(DIR)`` accepts, in this order:
+``lockstep generate`` / ``chat`` (``--checkpoint``), a trainer's ``init_from`` and the RL policy's
+``init_from`` all come here. ``source`` is resolved once (:func:`resolve_source`), in this order:
 
-1. a Hugging Face model directory (``config.json`` + safetensors): ``load_hf``; the tokenizer is
+1. a pretrained name in :data:`PRETRAINED` (``smollm2``: downloaded and converted once into the
+   cache, see :mod:`lockstep.models.hf.gguf`);
+2. a llama ``.gguf`` file: converted once into an HF directory in the cache;
+3. a Hugging Face model directory (``config.json`` + safetensors): ``load_hf``; the tokenizer is
    its ``tokenizer.json`` (eos/bos from ``tokenizer_config.json``), the chat template its own, and
    ``generation_config.json``'s ``eos_token_id`` (an id or a list) adds stop ids;
-2. a lockstep model directory (``lockstep_model.json``, as ``lockstep convert --from-hf`` writes):
+4. a lockstep model directory (``lockstep_model.json``, as ``lockstep convert --from-hf`` writes):
    ``load_lockstep_dir``, tokenizer files beside it;
-3. a training run directory (``manifest.json`` and/or checkpoints under ``checkpoints/`` or the
+5. a training run directory (``manifest.json`` and/or checkpoints under ``checkpoints/`` or the
    run's ``checkpoint.storage``), or that checkpoint directory itself: the latest complete
-   checkpoint (or ``step``) is read with ``read_full_state``, the model is built from the recipe
+   checkpoint (or ``step``) is read with ``read_full_state``, the model is built from the config
    recorded in the checkpoint's metadata and loaded from its ``model/<fqn>`` tensors. A run with no
    checkpoint falls back to its ``model.safetensors``. The tokenizer is the one the run's data
    config names (``data.tokenizer_path``, else the trained BPE in the data cache), else the copy in
    the run directory; the chat template is looked up beside it.
 
-Anything else is a :class:`ConfigError` naming the path and what was expected.
+With ``config`` (a run's ``model`` config) the checkpoint's config must compute the same function
+(:func:`~lockstep.models.hf.config_io.check_same_architecture`: only the flavor name, init_std,
+attention backend and ``max_seq_len`` may differ) and the model is built from ``config``.
+Anything else is a :class:`ConfigError` naming the field (``field``: ``--checkpoint``,
+``init_from``) or the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lockstep.checkpoint.checkpointer import latest_step
 from lockstep.checkpoint.format import INDEX, LATEST, CheckpointError, parse_step_dir
+from lockstep.checkpoint.reader import read_full_state
+from lockstep.checkpoint.storage import storage_from_uri
 from lockstep.config.base import ConfigError
+from lockstep.data.config import DataConfig
 from lockstep.data.tokenizer import Tokenizer
 from lockstep.generate.chat import ChatTemplate, load_chat_template
-from lockstep.models.common.transformer import Transformer
+from lockstep.models.common.transformer import Transformer, TransformerConfig
+from lockstep.models.hf.config_io import check_same_architecture, config_from_dict
+from lockstep.models.hf.gguf import gguf_hf_dir, smollm2_hf_dir
+from lockstep.models.hf.io import (
+    CONFIG_NAME,
+    LOCKSTEP_CONFIG_NAME,
+    load_hf,
+    load_hf_config,
+    load_lockstep_dir,
+    materialize,
+    meta_model,
+    resolve_dtype,
+)
 
-#: the flag whose value this module resolves (named in every error)
-FLAG = "--checkpoint"
 MODEL_PREFIX = "model/"
+PathLike = str | os.PathLike[str]
+
+#: pretrained names ``source`` may be -> function(cache_dir) returning an HF directory (made once)
+PRETRAINED: dict[str, Callable[[PathLike | None], Path]] = {
+    "smollm2": smollm2_hf_dir,
+    "smollm2-135m-instruct": smollm2_hf_dir,
+}
 
 
 @dataclasses.dataclass
-class ModelSource:
-    """A model ready for the generation engine, with the text side that belongs to it."""
+class LoadedModel:
+    """A model with the text side that belongs to it."""
 
     model: Transformer
-    tokenizer: Tokenizer
+    #: None when loaded with ``tokenizer=False``
+    tokenizer: Tokenizer | None
     #: the tokenizer's chat template, None when it has none
     chat_template: ChatTemplate | None
     #: end-of-turn ids beyond the tokenizer's eos (from generation_config.json)
@@ -52,54 +84,83 @@ class ModelSource:
     kind: str
     #: one line for the user: what was loaded from where
     description: str
+    #: the directory ``source`` resolved to
+    path: Path
 
 
-def load_model_source(path: str | Path, *, step: int | None = None,
-                      dtype: torch.dtype | str | None = torch.float32) -> ModelSource:
-    """Load ``path`` (see the module docstring); ``step`` picks a checkpoint of a run directory."""
-    path = Path(path).expanduser()
+def resolve_source(source: PathLike, field: str = "--checkpoint", cache_dir: PathLike | None = None) -> Path:
+    """The directory ``source`` names: a pretrained name or a .gguf file (converted once into the
+    cache), else the directory itself."""
+    key = str(source)
+    if key in PRETRAINED:
+        return PRETRAINED[key](cache_dir)
+    path = Path(key).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_hf_dir(path, cache_dir)
     if not path.exists():
-        raise ConfigError(f"{FLAG} {path}: no such directory")
+        raise ConfigError(f"{field} {path}: no such directory (nor a pretrained name: {sorted(PRETRAINED)})")
     if not path.is_dir():
-        raise ConfigError(f"{FLAG} {path}: not a directory (expected a model or run directory)")
-    if step is not None and ((path / "config.json").is_file() or (path / "lockstep_model.json").is_file()):
+        raise ConfigError(f"{field} {path}: not a directory (expected a model or run directory, or a .gguf file)")
+    return path
+
+
+def load_model(source: PathLike, *, config: TransformerConfig | None = None, step: int | None = None,
+               dtype: torch.dtype | str | None = torch.float32, device: torch.device | str = "cpu",
+               tokenizer: bool = True, field: str = "--checkpoint",
+               cache_dir: PathLike | None = None) -> LoadedModel:
+    """Load ``source`` (see the module docstring). ``step`` picks a checkpoint of a run directory;
+    ``dtype`` None or "auto" keeps the stored dtype; ``tokenizer=False`` skips the text side."""
+    path = resolve_source(source, field, cache_dir)
+    model_dir = (path / CONFIG_NAME).is_file() or (path / LOCKSTEP_CONFIG_NAME).is_file()
+    if step is not None and model_dir:
         raise ConfigError(f"--step: {path} is a model directory, not a training run; --step picks a run's checkpoint")
-    if (path / "config.json").is_file():
-        return _load_hf_dir(path, dtype)
-    if (path / "lockstep_model.json").is_file():
-        return _load_lockstep_model_dir(path, dtype)
-    storage_root, manifest = _checkpoint_location(path)
-    if storage_root is not None or manifest is not None:
-        return _load_run(path, storage_root, manifest, step, dtype)
-    held = sorted(p.name for p in path.iterdir())
-    raise ConfigError(
-        f"{FLAG} {path}: not a model directory: expected a Hugging Face model directory (config.json), a lockstep "
-        f"model directory (lockstep_model.json) or a training run directory (manifest.json, checkpoints/); it holds "
-        f"{', '.join(held[:6]) + (', ...' if len(held) > 6 else '') if held else 'nothing'}")
+    if (path / CONFIG_NAME).is_file():
+        if config is not None:  # before reading any weights; the message names the field and the file
+            check_same_architecture(load_hf_config(path), config, f"{field} {path / CONFIG_NAME}")
+        loaded = _load_hf_dir(path, config, dtype, device, tokenizer, field)
+    elif (path / LOCKSTEP_CONFIG_NAME).is_file():
+        loaded = _load_lockstep_model_dir(path, dtype, device, tokenizer, field)
+    else:
+        storage_root, manifest = _checkpoint_location(path)
+        if storage_root is None and manifest is None:
+            held = sorted(p.name for p in path.iterdir())
+            listing = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "") if held else "nothing"
+            raise ConfigError(
+                f"{field} {path}: not a model directory: expected a Hugging Face model directory (config.json), a "
+                f"lockstep model directory (lockstep_model.json) or a training run directory (manifest.json, "
+                f"checkpoints/); it holds {listing}")
+        loaded = _load_run(path, storage_root, manifest, step, dtype, device, tokenizer, field)
+    if config is not None and loaded.kind != "hf":  # load_hf built the model from ``config``
+        check_same_architecture(loaded.model.config, config, f"{field} {path}")
+        if config != loaded.model.config:
+            loaded.model = materialize(meta_model(config), loaded.model.state_dict(), device)
+    return loaded
 
 
 # -- model directories ---------------------------------------------------------------------------
 
 
-def _load_hf_dir(path: Path, dtype: Any) -> ModelSource:
-    from lockstep.models.hf import load_hf
-
-    model = load_hf(path, dtype=dtype).eval()
+def _load_hf_dir(path: Path, config: TransformerConfig | None, dtype: Any, device: Any, text: bool,
+                 field: str) -> LoadedModel:
+    model = load_hf(path, device=device, dtype=dtype, config=config)
+    description = f"{path} (Hugging Face {model.config.family}, {model.num_params():,} parameters)"
+    if not text:
+        return LoadedModel(model, None, None, [], "hf", description, path)
     tokenizer = _tokenizer(path / "tokenizer.json", f"{path} holds no tokenizer.json (a Hugging Face model "
-                           "directory needs its tokenizer to generate text)")
-    cfg = model.config
-    return ModelSource(model, tokenizer, load_chat_template(path), _generation_stop_ids(path), "hf",
-                       f"{path} (Hugging Face {cfg.family}, {model.num_params():,} parameters)")
+                           "directory needs its tokenizer to generate text)", field)
+    return LoadedModel(model, tokenizer, load_chat_template(path), _generation_stop_ids(path), "hf", description,
+                       path)
 
 
-def _load_lockstep_model_dir(path: Path, dtype: Any) -> ModelSource:
-    from lockstep.models.hf import load_lockstep_dir
-
-    model = load_lockstep_dir(path, dtype=dtype).eval()
+def _load_lockstep_model_dir(path: Path, dtype: Any, device: Any, text: bool, field: str) -> LoadedModel:
+    model = load_lockstep_dir(path, device=device, dtype=dtype)
+    description = f"{path} (lockstep {model.config.family}, {model.num_params():,} parameters)"
+    if not text:
+        return LoadedModel(model, None, None, [], "lockstep", description, path)
     tokenizer = _tokenizer(path / "tokenizer.json", f"{path} holds no tokenizer.json (`lockstep convert` copies "
-                           "it from the source directory; put the model's tokenizer.json there)")
-    return ModelSource(model, tokenizer, load_chat_template(path), _generation_stop_ids(path), "lockstep",
-                       f"{path} (lockstep {model.config.family}, {model.num_params():,} parameters)")
+                           "it from the source directory; put the model's tokenizer.json there)", field)
+    return LoadedModel(model, tokenizer, load_chat_template(path), _generation_stop_ids(path), "lockstep",
+                       description, path)
 
 
 def _generation_stop_ids(path: Path) -> list[int]:
@@ -114,9 +175,9 @@ def _generation_stop_ids(path: Path) -> list[int]:
     return [int(i) for i in ids if isinstance(i, int) and i >= 0]
 
 
-def _tokenizer(file: Path, missing: str) -> Tokenizer:
+def _tokenizer(file: Path, missing: str, field: str) -> Tokenizer:
     if not file.is_file():
-        raise ConfigError(f"{FLAG}: {missing}")
+        raise ConfigError(f"{field}: {missing}")
     try:
         return Tokenizer.from_file(file)
     except Exception as err:  # tokenizers raises its own Exception type for unreadable files
@@ -158,10 +219,7 @@ def _checkpoint_location(path: Path) -> tuple[str | None, dict[str, Any] | None]
 
 
 def _load_run(path: Path, storage_uri: str | None, manifest: dict[str, Any] | None, step: int | None,
-              dtype: Any) -> ModelSource:
-    from lockstep.checkpoint.checkpointer import latest_step
-    from lockstep.checkpoint.storage import storage_from_uri
-
+              dtype: Any, device: Any, text: bool, field: str) -> LoadedModel:
     storage = None
     if storage_uri is not None:
         recipe = (manifest or {}).get("recipe") or {}
@@ -171,27 +229,23 @@ def _load_run(path: Path, storage_uri: str | None, manifest: dict[str, Any] | No
         except ValueError as err:
             raise ConfigError(f"{path / 'manifest.json'}: {err}") from None
     if storage is not None and (step is not None or latest_step(storage) is not None):
-        return _load_checkpoint(path, storage, step, dtype)
+        return _load_checkpoint(path, storage, step, dtype, device, text, field)
     if step is not None:
         raise ConfigError(f"--step {step}: {path} has no checkpoints")
     if manifest is not None and (path / "model.safetensors").is_file():
-        from lockstep.models.hf import load_lockstep_dir
-
-        model = load_lockstep_dir(path, dtype=dtype).eval()
-        tokenizer, template = _run_tokenizer(path, (manifest.get("recipe") or {}).get("data"))
-        return ModelSource(model, tokenizer, template, [], "run-weights",
-                           f"{path}/model.safetensors (run of recipe {(manifest.get('recipe') or {}).get('recipe')!r}, "
-                           f"{model.config.family}, {model.num_params():,} parameters)")
+        model = load_lockstep_dir(path, device=device, dtype=dtype)
+        recipe = manifest.get("recipe") or {}
+        tokenizer, template = _run_tokenizer(path, recipe.get("data"), field) if text else (None, None)
+        return LoadedModel(model, tokenizer, template, [], "run-weights",
+                           f"{path}/model.safetensors (run of recipe {recipe.get('recipe')!r}, "
+                           f"{model.config.family}, {model.num_params():,} parameters)", path)
     where = storage.describe() if storage is not None else f"{path}/checkpoints"
-    raise ConfigError(f"{FLAG} {path}: a training run without weights: no complete checkpoint in {where} "
+    raise ConfigError(f"{field} {path}: a training run without weights: no complete checkpoint in {where} "
                       f"and no model.safetensors (did the run save any?)")
 
 
-def _load_checkpoint(path: Path, storage: Any, step: int | None, dtype: Any) -> ModelSource:
-    from lockstep.checkpoint.reader import read_full_state
-    from lockstep.models.hf.config_io import config_from_dict
-    from lockstep.models.hf.io import _materialize, _meta_model, _resolve_dtype
-
+def _load_checkpoint(path: Path, storage: Any, step: int | None, dtype: Any, device: Any, text: bool,
+                     field: str) -> LoadedModel:
     try:
         step, tensors, meta = read_full_state(storage, step)
     except CheckpointError as err:
@@ -210,27 +264,24 @@ def _load_checkpoint(path: Path, storage: Any, step: int | None, dtype: Any) -> 
         shared = state.get("tok_embeddings.weight", state.get("output.weight"))
         if shared is not None:
             state["tok_embeddings.weight"] = state["output.weight"] = shared
-    dtype = _resolve_dtype(dtype)
-    if dtype is not None:
-        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-    model = _meta_model(config)
+    dtype = resolve_dtype(dtype)
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).to(device)
+             for k, v in state.items()}
+    model = meta_model(config)
     expected, found = set(model.state_dict()), set(state)
     if expected != found:
         missing, extra = sorted(expected - found), sorted(found - expected)
         raise ConfigError(f"{where}: the model/ tensors do not fit the recorded {config.family} config: "
                           f"missing {missing[:8]}, unexpected {extra[:8]}")
-    model = _materialize(model, state, "cpu").eval()
-    tokenizer, template = _run_tokenizer(path, config_dict.get("data"))
-    return ModelSource(model, tokenizer, template, [], "checkpoint",
+    model = materialize(model, state, device)
+    tokenizer, template = _run_tokenizer(path, config_dict.get("data"), field) if text else (None, None)
+    return LoadedModel(model, tokenizer, template, [], "checkpoint",
                        f"{where} (run of recipe {config_dict.get('recipe')!r}, {config.family}, "
-                       f"{model.num_params():,} parameters)")
+                       f"{model.num_params():,} parameters)", path)
 
 
-def _run_tokenizer(path: Path, data: Any) -> tuple[Tokenizer, ChatTemplate | None]:
+def _run_tokenizer(path: Path, data: Any, field: str) -> tuple[Tokenizer, ChatTemplate | None]:
     """The tokenizer the run's data config used (else the run's copy) and its chat template."""
-    from lockstep.data.config import DataConfig
-    from lockstep.models.hf.config_io import config_from_dict
-
     candidates = []
     if isinstance(data, dict):
         try:
@@ -241,6 +292,6 @@ def _run_tokenizer(path: Path, data: Any) -> tuple[Tokenizer, ChatTemplate | Non
     for file in candidates:
         if file.is_file():
             template = load_chat_template(file.parent) if file.parent != path else None
-            return _tokenizer(file, ""), template or load_chat_template(path)
-    raise ConfigError(f"{FLAG} {path}: the run's tokenizer is not found (looked for "
+            return _tokenizer(file, "", field), template or load_chat_template(path)
+    raise ConfigError(f"{field} {path}: the run's tokenizer is not found (looked for "
                       f"{', '.join(str(c) for c in candidates)}; data.tokenizer_path names it)")

@@ -24,7 +24,7 @@ from lockstep.cli import main
 from lockstep.data.config import DataConfig
 from lockstep.data.tokenizer import Tokenizer, train_bpe
 from lockstep.generate import Engine, EngineConfig, Request, SamplingParams, load_chat_template
-from lockstep.model_source import load_model_source
+from lockstep.load import load_model
 from lockstep.models.common.transformer import build_model
 from lockstep.models.hf import config_from_dict, load_hf, load_lockstep_dir, save_hf
 from lockstep.models.registry import model_config
@@ -112,12 +112,12 @@ def test_sampling_flags_seeded_sampling_and_stop_token(hf_dir, capsys):
 
 
 def test_generate_from_run_dir_loads_the_latest_checkpoint(run_dir, capsys):
-    source = load_model_source(run_dir)
+    source = load_model(run_dir)
     assert source.kind == "checkpoint" and "step 2" in source.description
     final = load_lockstep_dir(run_dir)  # model.safetensors: written after the last step, as checkpoint 2
     state = source.model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in final.state_dict().items())
-    step1 = load_model_source(run_dir, step=1).model.state_dict()
+    step1 = load_model(run_dir, step=1).model.state_dict()
     assert not torch.equal(step1["layers.0.attention.wq.weight"], state["layers.0.attention.wq.weight"])
     manifest = json.loads((run_dir / "manifest.json").read_text())
     data = config_from_dict(manifest["recipe"]["data"], DataConfig, "data")
@@ -138,7 +138,7 @@ def test_run_dir_without_checkpoints_uses_its_model_safetensors(run_dir, tmp_pat
     copy.mkdir()
     for name in ("manifest.json", "model.safetensors", "tokenizer.json"):
         shutil.copyfile(run_dir / name, copy / name)
-    assert load_model_source(copy).kind == "run-weights"
+    assert load_model(copy).kind == "run-weights"
     a = generate_json(capsys, "--checkpoint", str(copy), "--prompt", "ROMEO:", "--max-new-tokens", "8")
     b = generate_json(capsys, "--checkpoint", str(run_dir), "--prompt", "ROMEO:", "--max-new-tokens", "8")
     assert a["token_ids"] == b["token_ids"]

@@ -15,6 +15,15 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+#: the environment variable naming lockstep's cache folder, and the folder when it is unset
+CACHE_ENV = "LOCKSTEP_CACHE"
+DEFAULT_CACHE = "~/.cache/lockstep"
+
+
+def cache_dir(override: str | os.PathLike[str] | None = None) -> Path:
+    """lockstep's cache folder: ``override`` when given, else ``$LOCKSTEP_CACHE``, else the default."""
+    return Path(override or os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+
 
 @contextlib.contextmanager
 def file_lock(path: Path) -> Iterator[None]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,13 +28,11 @@ from safetensors.torch import save as save_safetensors
 
 from lockstep.config.base import Config, join_path, require, require_choice, require_positive
 from lockstep.data import corpus
-from lockstep.data.cache import atomic_write_bytes, file_lock, sha256_file
+from lockstep.data.cache import atomic_write_bytes, cache_dir, file_lock, sha256_file
 from lockstep.data.loader import PackedLoader
 from lockstep.data.tokenizer import Tokenizer, train_bpe
 
 DATASETS = ("shakespeare",)
-CACHE_ENV = "LOCKSTEP_CACHE"
-DEFAULT_CACHE = "~/.cache/lockstep"
 _FORMAT_VERSION = 1  # bump when the token cache layout or document packing changes
 
 
@@ -77,7 +74,7 @@ class DataConfig(Config):
 
     def resolved_cache_dir(self) -> Path:
         """The cache folder this config uses (the field, else $LOCKSTEP_CACHE, else default)."""
-        return Path(self.cache_dir or os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+        return cache_dir(self.cache_dir)
 
     def dataset_dir(self) -> Path:
         return self.resolved_cache_dir() / self.dataset

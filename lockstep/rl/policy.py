@@ -30,12 +30,9 @@ def load_policy(config: RLConfig) -> Policy:
     """Build the policy as the recipe says; every process calls it (generators then receive the
     trainer's weights, so their init only has to have the same architecture)."""
     if config.init_from:
-        from lockstep.model_source import load_model_source
-        from lockstep.models.hf.pretrained import check_same_architecture, resolve_pretrained
+        from lockstep.load import load_model
 
-        path = resolve_pretrained(config.init_from)
-        src = load_model_source(path, dtype=torch.float32)
-        check_same_architecture(src.model.config, config.model, f"init_from {path}")
+        src = load_model(config.init_from, config=config.model, dtype=torch.float32, field="init_from")
         model, tokenizer, chat, stops, source = src.model, src.tokenizer, src.chat_template, src.stop_token_ids, \
             src.description
     else:

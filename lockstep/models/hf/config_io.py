@@ -5,6 +5,10 @@ rebuilds the tree by the declared type of every field: a nested config is rebuil
 its ``_type`` names (which must be the field's declared class or a subclass of it, so a
 ``feed_forward`` dict may name any ``FeedForwardConfig`` kind), lists of configs element by element.
 Unknown fields and unknown ``_type`` names raise :class:`ConfigError` naming the path.
+
+``check_same_architecture`` compares a run's config with a checkpoint's: they may differ only in
+what does not change the function computed (flavor name, init_std, the attention backend, also
+through overrides, and ``max_seq_len``: RoPE tables are computed, not stored).
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ import typing
 from typing import Any
 
 from lockstep.config.base import Config, ConfigError, to_dict
+from lockstep.models.common.attention import AttentionConfig
 from lockstep.models.common.transformer import TransformerConfig
 
-__all__ = ["config_from_dict", "config_to_dict"]
+__all__ = ["IGNORED_FIELDS", "check_same_architecture", "config_from_dict", "config_to_dict"]
+
+#: TransformerConfig fields a run may change without changing the checkpoint's function
+IGNORED_FIELDS = ("flavor", "init_std", "max_seq_len", "overrides")
 
 
 def config_to_dict(config: Config) -> dict[str, Any]:
@@ -100,3 +108,38 @@ def _value(hint: Any, value: Any, path: str) -> Any:
     if hint in (int, float, bool, str) and not isinstance(value, hint):
         raise ConfigError(f"{path}: expected {hint.__name__}, got {value!r}")
     return value
+
+
+# -- architecture comparison ---------------------------------------------------------------------
+
+
+def _architecture(config: TransformerConfig) -> dict[str, Any]:
+    """The config as a dict, without the fields that do not change what the model computes."""
+    def strip(slot: Any) -> Any:
+        if isinstance(slot, AttentionConfig):
+            slot = dataclasses.replace(slot, backend="sdpa")
+        return to_dict(slot)
+
+    out = {k: v for k, v in to_dict(config).items() if k not in IGNORED_FIELDS}
+    out["attention"] = strip(config.attention)
+    out["slots"] = {path: strip(slot) for path, slot in config.slots().items()}
+    return out
+
+
+def check_same_architecture(checkpoint: TransformerConfig, run: TransformerConfig, where: str) -> None:
+    """ConfigError naming every field where ``run`` computes something other than ``checkpoint``."""
+    a, b = _architecture(checkpoint), _architecture(run)
+    diffs = []
+
+    def walk(x: Any, y: Any, path: str) -> None:
+        if isinstance(x, dict) and isinstance(y, dict):
+            for key in sorted(set(x) | set(y)):
+                walk(x.get(key), y.get(key), f"{path}.{key}" if path else key)
+        elif x != y:
+            diffs.append(f"model.{path}: checkpoint has {x!r}, run config has {y!r}")
+
+    walk(a, b, "")
+    if diffs:
+        raise ConfigError(f"{where}: the run's model config does not match the checkpoint: "
+                          + "; ".join(d.replace("model.slots.", "model slot ") for d in diffs[:12])
+                          + (f"; ... ({len(diffs) - 12} more)" if len(diffs) > 12 else ""))

