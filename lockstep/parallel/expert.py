@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.checkpoint.train_state import clean_fqn
 from lockstep.config.base import ConfigError
 from lockstep.models.common.moe import GroupedExperts, MoE
 
@@ -253,7 +254,8 @@ def gather_full_experts(model: nn.Module, ep_group=None) -> dict[str, torch.Tens
             local = _full_tensor(getattr(module, w)).detach().contiguous()
             parts = [torch.empty_like(local) for _ in range(ep)]
             dist.all_gather(parts, local, group=group)
-            out[f"{name}.{w}" if name else w] = torch.cat(parts)
+            # wrappers (activation checkpointing, compile) are not part of the single-process name
+            out[clean_fqn(f"{name}.{w}" if name else w)] = torch.cat(parts)
     return out
 
 

@@ -23,6 +23,7 @@ from lockstep.config.base import ConfigError
 from lockstep.models.common.moe import GroupedExperts
 from lockstep.models.common.transformer import build_model
 from lockstep.models.registry import model_config
+from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.grad import clip_grad_norm
 from lockstep.parallel.expert import (
     ExpertParallelExperts,
@@ -30,6 +31,7 @@ from lockstep.parallel.expert import (
     clip_grad_norm_expert_parallel,
     expert_parameters,
     expert_state_dict_full,
+    gather_full_experts,
     load_expert_state_dict_full,
     sync_expert_parallel_grads,
 )
@@ -129,6 +131,10 @@ def _worker(rank, world, init_file, out_dir):
     # checkpoint helpers and meta init: the full experts round-trip, and meta -> EP -> init is the same model
     full = expert_state_dict_full(ep_model)
     results["gather"] = sorted(full) == sorted(ref_state) and all(torch.equal(full[k], ref_state[k]) for k in full)
+    # under activation checkpointing the gathered experts keep the single-process names (no wrapper prefix)
+    wrapped = apply_expert_parallel(build_model(cfg, seed=0))
+    apply_activation_checkpointing(wrapped, "full")
+    results["gather_ac_keys"] = sorted(gather_full_experts(wrapped))
     with torch.device("meta"):
         meta = cfg.build()
     apply_expert_parallel(meta)
@@ -208,6 +214,13 @@ def test_forward_logits_match_one_process(results):
 def test_state_dict_gather_load_and_meta_init(results):
     for res in results:
         assert res["gather"] and res["load"] and res["meta_init"]
+
+
+def test_gathered_expert_names_drop_activation_checkpoint_wrappers(results):
+    for res in results:
+        keys = res["gather_ac_keys"]
+        assert keys and all("_checkpoint_wrapped_module" not in k for k in keys), keys
+        assert "layers.0.feed_forward.experts.w1" in keys
 
 
 def test_training_matches_one_process(results):
