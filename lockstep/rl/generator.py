@@ -5,6 +5,10 @@ batch ``i`` it applies every weight version that has arrived and, if it still ho
 than ``i - 1 - max_offpolicy_steps``, waits for that one: so a batch is never staler than the
 trainer allows when it is trained on, and with ``max_offpolicy_steps=0`` generation and training
 alternate strictly (on-policy). Each episode carries the version that generated it.
+
+A generator runs on ``training.device`` as the trainer does (this process's GPU on CUDA): its
+engine and KV cache follow the model there, and weight versions arrive in buffers on the device the
+sync group carries (:mod:`lockstep.rl.transport`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch.distributed as dist
 from lockstep import numerics
 
 from lockstep.generate.engine import Engine
+from lockstep.parallel.launch import resolve_device
 from lockstep.rl.config import RLConfig
 from lockstep.rl.layout import RLLayout
 from lockstep.rl.learner import EpisodeRecord
@@ -54,6 +59,7 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
     start, last = info["start"], info["last"]
     if last <= start:
         return
+    policy.model.to(resolve_device(config.training.device))
     receiver = WeightReceiver(policy.model, sync_group, first=start, last=last - 1)
     engine = Engine(policy.model, policy.tokenizer, config.engine)
     rollout = Rollout(engine, config.rollout, tokenizer=policy.tokenizer, chat_template=policy.chat_template)
