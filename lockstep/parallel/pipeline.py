@@ -253,7 +253,7 @@ def _stage_class():
     return _Stage
 
 
-def _check_split_backward(parts: Sequence[nn.Module], schedule: str) -> None:
+def check_split_backward(parts: Sequence[nn.Module], schedule: str) -> None:
     """Refuse selective activation checkpointing under the V schedules, before any rank starts.
 
     Their backward runs twice over each region (input gradients, later weight gradients), and
@@ -332,7 +332,7 @@ class PipelineRunner:
         if parallelize_fn is not None:
             parts = [(parallelize_fn(p) or p) for p in parts]
         if self.schedule_name in V_SCHEDULES:
-            _check_split_backward(parts, self.schedule_name)
+            check_split_backward(parts, self.schedule_name)
             _keep_unsharded_after_forward(parts)
         #: this rank's stage modules (for the optimizer, clipping, state dicts), in stage order
         self.model_parts: list[nn.Module] = parts

@@ -123,14 +123,14 @@ def test_tied_embeddings_are_refused():
 @pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
 def test_selective_checkpointing_is_refused_under_split_backward(schedule):
     from lockstep.parallel.checkpointing import apply_activation_checkpointing
-    from lockstep.parallel.pipeline import _check_split_backward
+    from lockstep.parallel.pipeline import check_split_backward
 
     parts = split_into_stages(build_model(_config(4), seed=0), 4, stage_ids=[0, 3])
-    _check_split_backward([apply_activation_checkpointing(p, "full") for p in parts], schedule)
+    check_split_backward([apply_activation_checkpointing(p, "full") for p in parts], schedule)
     parts = [apply_activation_checkpointing(p, "selective") for p in parts]
     message = rf"^pp: selective activation checkpointing \(layers.0\) cannot run under {schedule}"
     with pytest.raises(ValueError, match=message):
-        _check_split_backward(parts, schedule)
+        check_split_backward(parts, schedule)
 
 
 def test_stage_placement():

@@ -46,14 +46,16 @@ class RopeConfig(Config):
     def inverse_frequencies(self, head_dim: int) -> torch.Tensor:
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if self.scaling == "llama3":
-            inv_freq = _llama3_scale(inv_freq, self)
+            inv_freq = llama3_scale(inv_freq, self)
         return inv_freq
 
     def build(self, *, head_dim: int, max_seq_len: int) -> "RotaryEmbedding":
         return RotaryEmbedding(self, head_dim, max_seq_len)
 
 
-def _llama3_scale(inv_freq: torch.Tensor, cfg: RopeConfig) -> torch.Tensor:
+def llama3_scale(inv_freq: torch.Tensor, cfg: RopeConfig) -> torch.Tensor:
+    """``inv_freq`` with Llama 3.1's wavelength-dependent scaling (long wavelengths slowed by ``factor``,
+    short ones kept, a smooth blend between)."""
     low_wavelen = cfg.original_max_position_embeddings / cfg.low_freq_factor
     high_wavelen = cfg.original_max_position_embeddings / cfg.high_freq_factor
     wavelen = 2 * math.pi / inv_freq

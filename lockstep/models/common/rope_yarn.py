@@ -17,7 +17,7 @@ import math
 import torch
 
 from lockstep.config.base import Config, require, require_choice, require_positive
-from lockstep.models.common.rope import RopeConfig, RotaryEmbedding, _llama3_scale
+from lockstep.models.common.rope import RopeConfig, RotaryEmbedding, llama3_scale
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -69,7 +69,7 @@ class YarnRopeConfig(RopeConfig):
             return _yarn_inverse_frequencies(self, head_dim)
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if self.scaling == "llama3":
-            inv_freq = _llama3_scale(inv_freq, self)
+            inv_freq = llama3_scale(inv_freq, self)
         return inv_freq
 
     def cos_sin_factor(self) -> float:

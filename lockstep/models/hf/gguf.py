@@ -160,7 +160,7 @@ def _field(reader: Any, key: str, default: Any = None) -> Any:
     return field.contents()
 
 
-def _reverse_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
+def reverse_permute(weight: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation (interleaved RoPE pairs -> HF half-rotation)."""
     head_dim = weight.shape[0] // n_heads
     return (weight.reshape(n_heads, head_dim // 2, 2, *weight.shape[1:])
@@ -225,9 +225,9 @@ def gguf_llama_tensors(reader: Any, config: dict[str, Any]) -> dict[str, torch.T
         shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dims fastest-first
         weight = weight.reshape(shape)
         if name.endswith("attn_q.weight"):
-            weight = _reverse_permute(weight, config["num_attention_heads"])
+            weight = reverse_permute(weight, config["num_attention_heads"])
         elif name.endswith("attn_k.weight"):
-            weight = _reverse_permute(weight, config["num_key_value_heads"])
+            weight = reverse_permute(weight, config["num_key_value_heads"])
         if not weight.flags.writeable or not weight.flags.c_contiguous:
             weight = np.array(weight, order="C", copy=True)  # F32 tensors are views of the memmap
         out[hf_name] = torch.from_numpy(weight)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lockstep.models.hf.gguf import _reverse_permute
+from lockstep.models.hf.gguf import reverse_permute
 from lockstep.recipes.smollm2 import smollm2_config, smollm2_shakespeare
 
 
@@ -20,7 +20,7 @@ def test_reverse_permute_undoes_llama_cpp(n_heads, head_dim):
     w = np.random.default_rng(0).standard_normal((n_heads * head_dim, 12)).astype(np.float32)
     permuted = _llama_cpp_permute(w, n_heads)
     assert not np.array_equal(permuted, w)
-    assert np.array_equal(_reverse_permute(permuted, n_heads), w)
+    assert np.array_equal(reverse_permute(permuted, n_heads), w)
 
 
 def test_smollm2_recipe_config_validates():
