@@ -1,31 +1,61 @@
-"""The batch-invariant kernels, one by one: bitwise invariance where promised, accuracy elsewhere."""
+"""The batch-invariant kernels, one by one: bitwise invariance where promised, accuracy elsewhere.
 
+The C kernels run at every :mod:`lockstep.ops.isa` level this machine runs (forced in-process): the
+fp32 linear and attention have an AVX-512 and a portable build, the bf16 linear an AMX, a vdpbf16ps
+and a plain C path; the tiled fallback is what runs without a compiler.
+"""
+
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lockstep.ops import bi_kernel
+from lockstep.ops import bi_kernel, decode_linear, isa
 from lockstep.ops.attention import reference_attention
 from lockstep.ops.batch_invariant import KV_CHUNK, chunked_attention, head_matmul, linear
 
 DTYPES = [torch.float32, torch.bfloat16]
-#: "c": the C kernels (lockstep.ops.bi_kernel); "tiled": the fixed-tile bmm fallback used without a compiler
-IMPLS = ["c", "tiled"]
+#: "c-<level>": the C kernels (lockstep.ops.bi_kernel, decode_linear) at each ISA level this machine
+#: runs; "tiled": the fixed-tile bmm fallback used without a compiler
+IMPLS = [f"c-{level}" for level in isa.runnable()] + ["tiled"]
 
 
 @pytest.fixture
 def impl(request, monkeypatch):
     if request.param == "tiled":
         monkeypatch.setattr(bi_kernel, "available", lambda: False)
-    return request.param
+        monkeypatch.setattr(decode_linear, "available", lambda dtype=None: False)
+        yield request.param
+        return
+    with isa.forced(request.param.removeprefix("c-")):
+        yield request.param
 
 
 def test_the_c_kernels_build_where_there_is_a_compiler():
     if shutil.which("gcc") or shutil.which("cc"):
-        assert bi_kernel.available()
+        for level in isa.runnable():
+            with isa.forced(level):
+                assert bi_kernel.available() and decode_linear.available(torch.bfloat16), level
+
+
+@pytest.mark.skipif("avx512" not in isa.runnable(), reason="one build only: no AVX-512 here")
+def test_the_avx512_and_portable_builds_give_the_same_bits():
+    """bi_linear.c's two paths (fmaf is one IEEE operation) and bi_attention.c (the source order is
+    the arithmetic order in both builds)."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(37, 37, generator=g), torch.randn(50, 37, generator=g)
+    q, k, v = (torch.randn(2, h, 45, 16, generator=g) for h in (4, 2, 2))
+    outs = []
+    for level in ("avx512", "portable"):
+        with isa.forced(level):
+            outs.append((linear(x, w), linear(x[:, :32], w[:, :32]), chunked_attention(q, k, v, torch.arange(45).expand(2, 45))))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("impl", IMPLS, indirect=True)

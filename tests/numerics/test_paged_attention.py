@@ -5,7 +5,8 @@ kernel's exp is a polynomial within 2 ulp of expf), so: fp32 outputs agree to 1e
 are averages of unit-scale vectors; measured ~1e-6), bf16 outputs to two bf16 ulps at magnitude < 2
 (2 * 2^-7 = 0.016; measured one ulp). Covered: grouped heads (1, 3, 4 per kv head), head dims 64
 and 128, contexts that end inside, at the end of, and past several blocks, null-block padding in
-the tables, and rows at position 0.
+the tables, and rows at position 0. Both of the kernel's builds run here wherever the CPU runs them:
+the AVX-512 path (ISA levels avx512 and amx) and the portable one (forced with ``isa_level``).
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lockstep.ops import paged_attention
+from lockstep.ops import isa, paged_attention
 from lockstep.ops.attention import sdpa_cached_attention
 
 pytestmark = pytest.mark.skipif(not paged_attention.available(), reason="no C compiler for the kernel")
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-7}
+#: the kernel's distinct builds this machine runs
+PATHS = [level for level in ("avx512", "portable") if level in isa.runnable()]
 
 
 def _case(batch, heads, kv_heads, d, block_size, width, dtype, seed=0):
@@ -44,10 +47,11 @@ def _gathered(q, k_pool, v_pool, tables, positions, scale):
     return sdpa_cached_attention(q, k, v, q_positions=positions, scale=scale)
 
 
+@pytest.mark.parametrize("isa_level", PATHS, indirect=True)
 @pytest.mark.parametrize("batch", [2, 5])  # tasks of one kv head / of every kv head of a sequence
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 64), (9, 3, 64), (8, 2, 128), (6, 3, 32), (40, 2, 16)])
-def test_matches_gather_and_sdpa(batch, dtype, heads, kv_heads, d):
+def test_matches_gather_and_sdpa(batch, dtype, heads, kv_heads, d, isa_level):
     q, k_pool, v_pool, tables, positions = _case(batch, heads, kv_heads, d, block_size=4, width=6, dtype=dtype)
     assert paged_attention.usable(q, k_pool, v_pool)
     scale = d**-0.5
@@ -57,7 +61,8 @@ def test_matches_gather_and_sdpa(batch, dtype, heads, kv_heads, d):
     torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE[dtype])
 
 
-def test_position_zero_returns_the_first_value_row():
+@pytest.mark.parametrize("isa_level", PATHS, indirect=True)
+def test_position_zero_returns_the_first_value_row(isa_level):
     q, k_pool, v_pool, tables, positions = _case(3, 4, 2, 64, block_size=4, width=3, dtype=torch.float32, seed=1)
     got = torch.ops.lockstep.paged_decode_attention(q, k_pool, v_pool, tables, positions, 0.125)
     first = v_pool[tables[0, 0], 0]  # [kv_heads, d]: one key, softmax weight exactly 1
