@@ -137,15 +137,18 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
 
 def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [B, H, T, K] @ weight [H, K, N] -> [B, H, T, N]`` (a per-head projection, e.g. MLA's
-    absorbed ``wkv_b``), each head's rows in fixed tiles."""
+    absorbed ``wkv_b``): each head is this module's :func:`linear` of its rows, so a per-head
+    product takes the very kernel a linear layer of that shape and dtype takes (the fp32 C kernel,
+    the bf16 C kernel, or fixed row tiles), autocast and gradients included.
+
+    Not one batched library GEMM over (head, row tile) entries, as it was: MKL's batched SGEMM
+    picks its kernel and thread split by the entry count on some code paths (measured here on its
+    AVX2 path, which non-Intel CPUs get: ``[16, 512] @ [512, 32]`` entries change bits between a
+    call of 1 entry and of 2), so a row's bits moved with the number of tokens in the call, and MLA
+    models were the one family whose fp32 batch-invariant path still ran a library GEMM."""
     b, h, t, k = x.shape
-    tile = row_tile(x.dtype)
     rows = x.transpose(0, 1).reshape(h, b * t, k)
-    tiles = max(1, -(-(b * t) // tile))
-    rows = F.pad(rows, (0, 0, 0, tiles * tile - b * t))
-    out = torch.bmm(rows.reshape(h * tiles, tile, k),
-                    weight[:, None].expand(h, tiles, k, weight.shape[-1]).reshape(h * tiles, k, -1))
-    out = out.reshape(h, tiles * tile, -1)[:, : b * t]
+    out = torch.stack([linear(rows[i], weight[i].t()) for i in range(h)])
     return out.reshape(h, b, t, -1).transpose(0, 1)
 
 

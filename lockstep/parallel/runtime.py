@@ -204,22 +204,16 @@ class ParallelRuntime:
 
     def _pipeline_forward(self, inputs, targets, accumulate: int, stage, train: bool) -> StepLoss:
         """The schedule's step on this rank's stages. The loss exists on the last stage's rank only
-        (None elsewhere; ``StepScalars`` averages over the ranks holding it). Module metrics (MoE load)
-        come from every local stage, of the schedule's last micro-batch. Auxiliary losses are not
-        part of a pipeline's loss: stages pass only hidden states on, and the schedule's loss
-        function sees the last stage's logits alone."""
+        (None elsewhere; ``StepScalars`` averages over the ranks holding it). No auxiliary losses or
+        module metrics: stages pass only hidden states on and the schedule's loss function sees the
+        last stage's logits alone, so the pipeline refuses models whose modules record them (MoE,
+        MTP; ``pipeline._check_splittable``)."""
         with stage("forward_backward" if train else "forward"), self.autocast():
             if train:
                 local = self.pipeline.step(inputs, targets, loss_scale=1.0 / accumulate)
             else:
                 local = self.pipeline.eval_loss(inputs, targets)
-        metrics: dict[str, float | torch.Tensor] = {}
-        for part in self.pipeline.model_parts:
-            for name, module in part.named_modules():
-                if module is not part and hasattr(module, "pop_auxiliary"):
-                    metrics.update({f"{name}/{k}": v for k, v in module.pop_auxiliary()[1].items()})
-        loss = None if local is None else torch.tensor(local, dtype=torch.float64)
-        return StepLoss(loss, {}, metrics)
+        return StepLoss(None if local is None else torch.tensor(local, dtype=torch.float64))
 
     def scalars(self) -> StepScalars:
         """An accumulator of a step's scalars, reduced over this runtime's ranks in one collective."""

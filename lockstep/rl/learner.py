@@ -141,15 +141,16 @@ class Learner:
             scored = self._score(self.model, recs)
             trainer_logp += [s.detach() for s in scored]
             logp = _pad(scored, width)
-            mask = mask_all[idx]
-            gen = _pad([gen_logp[i] for i in idx], width)
+            device = logp.device  # the episodes' tensors join the scores there (no copy on the CPU)
+            mask = mask_all[idx].to(device)
+            gen = _pad([gen_logp[i] for i in idx], width).to(device)
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
                     ref = _pad(self._score(self.reference, recs), width)
             old = gen if cfg.training.ratio_to == "generator" else None
-            loss, metrics = self.loss(logp, mask, advantages[idx], old_logp=old, ref_logp=ref,
-                                      generator_logp=gen, keep=keep[idx], normaliser=normaliser)
+            loss, metrics = self.loss(logp, mask, advantages[idx].to(device), old_logp=old, ref_logp=ref,
+                                      generator_logp=gen, keep=keep[idx].to(device), normaliser=normaliser)
             (loss * self.dp).backward()  # FSDP averages gradients over the dp ranks; the loss is their sum
             scalars.add({"loss": loss})
             weight = len(idx) / len(records)

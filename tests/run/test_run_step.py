@@ -71,3 +71,33 @@ def test_one_reduce_per_step_and_host_syncs_do_not_grow_with_grad_accum(tmp_path
         assert out["loss"] > 0 and out["grad_norm"] > 0
     assert counts[1][0] == counts[4][0] == 1  # one all_reduce per step, not one per micro-batch
     assert counts[4][1] == counts[1][1], counts  # host syncs per step, not per micro-batch
+
+
+def test_context_parallel_branch_reports_aux_losses_and_moe_metrics():
+    """The cp branch of the seam (shard_batch + cp cross-entropy; a one-rank ContextParallel here)
+    reports what the plain branch does: the same loss, the auxiliary losses it trained on, the MoE
+    load metrics (before this seam, the cp branch dropped both)."""
+    from lockstep.cli import resolve_config
+    from lockstep.models.common.transformer import build_model
+    from lockstep.parallel.context import ContextParallel
+    from lockstep.parallel.dims import ParallelConfig
+    from lockstep.parallel.runtime import ParallelRuntime
+
+    cfg, _ = resolve_config(["--recipe", "debug-moe", "--override", "layers.*.feed_forward=moe,seq_aux_loss_coef=0.01"])
+    batch = (torch.randint(0, 256, (2, 32)), torch.randint(0, 256, (2, 32)))
+    reports = []
+    for cp in (False, True):
+        runtime = ParallelRuntime.create(ParallelConfig(dp_shard=1), device="cpu")
+        runtime.parallelize(build_model(cfg.model, seed=0), ParallelConfig(dp_shard=1))
+        if cp:
+            runtime.context = ContextParallel(None)
+            runtime.context.install(runtime.model)
+        reports.append(runtime.loss_and_backward(batch, accumulate=2))
+    plain, context = reports
+    assert torch.equal(plain.loss, context.loss)
+    assert set(context.aux_losses) == set(plain.aux_losses) == {f"layers.{i}.feed_forward/seq_aux_loss" for i in (0, 1)}
+    assert all(torch.equal(plain.aux_losses[k], context.aux_losses[k]) for k in plain.aux_losses)
+    assert {"layers.0.feed_forward/load_cv", "layers.1.feed_forward/load_max"} <= set(context.metrics)
+    scalars = StepScalars()
+    scalars.add_loss(context, divide_by=2)
+    assert "aux_loss/layers.1.feed_forward/seq_aux_loss" in scalars.reduce()
