@@ -57,6 +57,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                         help="weight dtype (auto: as stored)")
     parser.add_argument("--cache-mb", type=float, default=256.0, help="KV-cache memory in MiB")
+    parser.add_argument("--device", default="auto",
+                        help="where the model and KV cache live: auto (CUDA when available), cpu or cuda")
     return parser
 
 
@@ -78,6 +80,9 @@ def _parse(prog: str, argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--step: must be >= 0, got {args.step}")
     if args.cache_mb <= 0:
         raise ConfigError(f"--cache-mb: must be > 0, got {args.cache_mb}")
+    from lockstep.run.config import validate_device
+
+    validate_device(args.device, "--device")
     if args.chat_template is not None:
         _template_from_file(Path(args.chat_template))  # a missing file or a syntax error shows now
     _sampling(args, [])  # validate the sampling flags now, before any loading
@@ -106,7 +111,10 @@ def _sampling(args: argparse.Namespace, extra_stop_ids: list[int]) -> Any:
 def _load(args: argparse.Namespace, need_template: bool) -> Any:
     from lockstep.load import load_model
 
-    source = load_model(args.checkpoint, step=args.step, dtype=None if args.dtype == "auto" else args.dtype)
+    from lockstep.parallel.launch import resolve_device
+
+    source = load_model(args.checkpoint, step=args.step, dtype=None if args.dtype == "auto" else args.dtype,
+                        device=resolve_device(args.device))
     source.model.eval()
     if args.chat_template is not None:
         source.chat_template = _template_from_file(Path(args.chat_template), source.tokenizer)

@@ -200,6 +200,7 @@ def test_chat_console_script_with_piped_stdin(run_dir, hf_dir, tmp_path):
     (["--checkpoint", "{run}", "--prompt", "hi", "--chat"], r"no chat template.*--chat-template"),
     (["--checkpoint", "{manifest_only}", "--prompt", "hi"], r"a training run without weights"),
     (["--checkpoint", "{hf}", "--prompt", "hi", "--chat-template", "{missing}"], r"--chat-template .*: no such file"),
+    (["--checkpoint", "{hf}", "--prompt", "hi", "--device", "tpu"], r"--device: must be one of \['auto', 'cpu', 'cuda'\]"),
 ])
 def test_bad_input_is_one_line_error_exit_2(argv, message, hf_dir, run_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
@@ -221,3 +222,16 @@ def test_console_script_error_has_no_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("lockstep: ") and proc.stderr.count("\n") == 1, proc.stderr
     assert "no such directory" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_device_flag(hf_dir, capsys):
+    """``--device cpu`` runs where ``auto`` runs on a CPU machine; ``cuda`` without CUDA is a one-line error."""
+    argv = ["generate", "--checkpoint", str(hf_dir), "--prompt", "ab", "--max-new-tokens", "4", "--json"]
+    assert main([*argv, "--device", "cpu"]) == 0
+    on_cpu = json.loads(capsys.readouterr().out)
+    if torch.cuda.is_available():
+        assert main([*argv, "--device", "cuda"]) == 0
+        assert json.loads(capsys.readouterr().out)["token_ids"] == on_cpu["token_ids"]
+    else:
+        assert main([*argv, "--device", "cuda"]) == 2
+        assert re.search(r"^lockstep: (config error: )?--device: 'cuda' was asked for.*no CUDA device", capsys.readouterr().err)
