@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh --device cpu --quick   # 2-step runs, no 2-process pretrain (tests/test_gpu_check.py)
 #
 # Checks: a debug pretrain with a checkpoint (1 process; 2 over torchrun when there are 2 GPUs),
-# scripts/gpu_checks.py (transformers parity, batch invariance, checkpoint staging, weight-sync
+# `lockstep generate` from its run directory, scripts/gpu_checks.py (transformers parity, batch invariance, checkpoint staging, weight-sync
 # buffer), and an rl-debug run (trainer + generator process). PYTHON overrides the interpreter
 # (default .venv/bin/python, else python3). Exit status 1 if any check failed; logs stay in the
 # printed work directory when one did.
@@ -56,7 +56,7 @@ run() {
     line FAIL "$name" "ran, but $dir/manifest.json records no cuda device (log: $log) $took"
   else
     local summary
-    summary="$(grep -E 'final train loss|validation loss|^reward|logprob_diff' "$log" | paste -sd ';' - | sed 's/;/; /g')"
+    summary="$(grep -E 'final train loss|validation loss|^reward|logprob_diff' "$log" | awk 'NR > 1 { printf "; " } { printf "%s", $0 }')"
     line PASS "$name" "${summary:-finished} $took"
   fi
 }
@@ -76,6 +76,17 @@ fi
 TRAIN=(-m lockstep.cli train --recipe debug --training.device "$DEVICE" --steps "$STEPS" --checkpoint-every "$STEPS"
        --output.no-progress)
 run pretrain-1proc "$WORK/train1" "$PY" "${TRAIN[@]}" --run-dir "$WORK/train1"
+# the pretrained run directory through `lockstep generate` on the device
+start=$SECONDS
+if out="$(timeout "$LIMIT" "$PY" -m lockstep.cli generate --checkpoint "$WORK/train1" --device "$DEVICE" \
+          --prompt "ROMEO:" --max-new-tokens 8 --ignore-eos --json 2>"$WORK/generate.log")" \
+   && n="$(printf '%s' "$out" | "$PY" -c 'import json, sys; print(len(json.load(sys.stdin)["token_ids"]))')" \
+   && [ "$n" = 8 ]; then
+  line PASS generate-cli "8 greedy tokens from the run directory on $DEVICE [$((SECONDS - start))s]"
+else
+  line FAIL generate-cli "$(tail -n 1 "$WORK/generate.log" | cut -c1-200) (log: $WORK/generate.log) [$((SECONDS - start))s]"
+fi
+
 if [ "$QUICK" = 1 ]; then
   line SKIP pretrain-2proc "--quick"
 elif [ "$DEVICE" = cpu ] || [ "$GPUS" -ge 2 ]; then

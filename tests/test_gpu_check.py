@@ -29,7 +29,7 @@ def test_cpu_quick_mode_passes_every_check():
     lines = [m.groups() for m in map(LINE.match, result.stdout.splitlines()) if m]
     status = {name: s for s, name, _ in lines}
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
-    assert status == {"pretrain-1proc": "PASS", "pretrain-2proc": "SKIP", "hf-parity": "PASS",
+    assert status == {"pretrain-1proc": "PASS", "generate-cli": "PASS", "pretrain-2proc": "SKIP", "hf-parity": "PASS",
                       "batch-invariant": "PASS", "checkpoint": "PASS", "transport": "PASS", "rl-debug": "PASS"}, \
         result.stdout
 
