@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep import numerics
 from lockstep.config.base import Config
 
 
@@ -41,4 +42,4 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(numerics.rowwise(F.silu, self.w1(x)) * self.w3(x))  # rowwise: batch-invariant mode

@@ -189,7 +189,8 @@ class GroupedExperts(nn.Module):
         outs = []
         for e, chunk in enumerate(x.split(counts.tolist())):
             if chunk.shape[0]:
-                outs.append(linear(F.silu(linear(chunk, self.w1[e])) * linear(chunk, self.w3[e]), self.w2[e]))
+                outs.append(linear(numerics.rowwise(F.silu, linear(chunk, self.w1[e])) * linear(chunk, self.w3[e]),
+                                   self.w2[e]))
         return torch.cat(outs) if outs else x.new_zeros(0, self.dim)
 
 
