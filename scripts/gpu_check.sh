@@ -3,13 +3,15 @@
 #
 #   scripts/gpu_check.sh                   # on CUDA: every check
 #   scripts/gpu_check.sh --device cpu      # the same checks on the CPU (gloo)
-#   scripts/gpu_check.sh --device cpu --quick   # 2-step runs, no 2-process pretrain (tests/test_gpu_check.py)
+#   scripts/gpu_check.sh --device cpu --quick   # 2-step runs, no 2-process pretrain, no colocated RL
+#                                               # (what tests/test_gpu_check.py runs)
 #
-# Checks: a debug pretrain with a checkpoint (1 process; 2 over torchrun when there are 2 GPUs),
-# `lockstep generate` from its run directory, scripts/gpu_checks.py (transformers parity, batch invariance, checkpoint staging, weight-sync
-# buffer), and an rl-debug run (trainer + generator process). PYTHON overrides the interpreter
-# (default .venv/bin/python, else python3). Exit status 1 if any check failed; logs stay in the
-# printed work directory when one did.
+# Checks: a debug pretrain with a checkpoint (1 process; 2 over torchrun when there are 2 GPUs, or
+# on the CPU), `lockstep generate` from its run directory, scripts/gpu_checks.py (transformers
+# parity, batch invariance, checkpoint staging, weight-sync buffer), and rl-debug runs (trainer +
+# generator process; one colocated process). PYTHON overrides the interpreter (default
+# .venv/bin/python, else python3). Exit status 1 if any check failed; logs stay in the printed
+# work directory when one did.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -20,7 +22,7 @@ while [ $# -gt 0 ]; do
     --device) DEVICE="${2:-}"; shift 2 ;;
     --device=*) DEVICE="${1#*=}"; shift ;;
     --quick) QUICK=1; shift ;;
-    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -104,6 +106,12 @@ fi
 
 run rl-debug "$WORK/rl" "$PY" -m lockstep.cli rl --recipe rl-debug --training.device "$DEVICE" --steps "$RL_STEPS" \
   --run-dir "$WORK/rl"
+if [ "$QUICK" = 1 ]; then
+  line SKIP rl-colocated "--quick"
+else  # one process generating with the modules it trains (workers.generators=0)
+  run rl-colocated "$WORK/rl0" "$PY" -m lockstep.cli rl --recipe rl-debug --training.device "$DEVICE" \
+    --steps "$RL_STEPS" --workers.generators 0 --run-dir "$WORK/rl0"
+fi
 
 if [ "$FAILED" = 0 ]; then
   rm -rf "$WORK"

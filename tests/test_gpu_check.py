@@ -30,7 +30,8 @@ def test_cpu_quick_mode_passes_every_check():
     status = {name: s for s, name, _ in lines}
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
     assert status == {"pretrain-1proc": "PASS", "generate-cli": "PASS", "pretrain-2proc": "SKIP", "hf-parity": "PASS",
-                      "batch-invariant": "PASS", "checkpoint": "PASS", "transport": "PASS", "rl-debug": "PASS"}, \
+                      "batch-invariant": "PASS", "checkpoint": "PASS", "transport": "PASS", "rl-debug": "PASS",
+                      "rl-colocated": "SKIP"}, \
         result.stdout
 
 
