@@ -10,9 +10,10 @@ give bitwise-identical log-probabilities. ``docs/numerics.md`` states the promis
     with numerics.batch_invariant():            # or for a block
         ...
 
-The switch is read at call time by the kernels in :mod:`lockstep.ops` (attention backends, MoE
-expert matmuls, MLA's per-head projections) and by the linear layers that
-:func:`prepare_model` converts, so a model built before the switch was set follows it too.
+The switch is read at call time: attention layers resolve their kernel from it on every call
+(:func:`lockstep.ops.attention.resolve_backend`), and so do MLA's absorbed path and per-head
+projections, MoE expert matmuls and routers, and the linear layers that :func:`prepare_model`
+converts; a model built before the switch was set follows it too.
 """
 
 from __future__ import annotations
@@ -65,26 +66,13 @@ class SwitchableLinear(nn.Linear):
 
 
 def prepare_model(model: nn.Module) -> nn.Module:
-    """Make ``model``'s kernels follow the switch as it is now (idempotent, cheap: call it before
-    each use, as the engine and :func:`lockstep.rl.score_logprobs` do).
-
-    Linear layers become :class:`SwitchableLinear` (which reads the switch per call); attention
-    layers get the ``batch_invariant`` backend while the switch is on and their configured one
-    otherwise; MLA layers attend over the absorbed latent in both cases that must agree (the
-    engine's cache path always does). MoE expert matmuls and routers read the switch themselves.
-    """
-    from lockstep.ops.attention import get_attention
-
+    """Make ``model``'s linear layers follow the switch: each ``nn.Linear`` becomes a
+    :class:`SwitchableLinear`, which reads the switch per call (idempotent, cheap; once per model
+    suffices, before FSDP changes module classes). Everything else reads the switch itself,
+    attention layers included (:mod:`lockstep.ops.attention`)."""
     for module in model.modules():
         if type(module) is nn.Linear:
             module.__class__ = SwitchableLinear
-        elif hasattr(module, "backend_name") and hasattr(module, "backend"):
-            configured = module.__dict__.setdefault("_configured_backend", module.backend_name)
-            name = "batch_invariant" if _BATCH_INVARIANT else configured
-            if module.backend_name != name:
-                module.backend_name, module.backend = name, get_attention(name)
-            if hasattr(module, "absorb"):
-                module.absorb = _BATCH_INVARIANT
     return model
 
 

@@ -16,7 +16,8 @@ Per forward the engine calls :meth:`PagedKVCache.set_step` with the step's
 :class:`StepMetadata`; the model hands ``cache.layer(name)`` to each block, whose attention calls
 :meth:`LayerCache.attend` (or ``attend_latent``): store the new tokens, gather each sequence's
 context through its block table (``index_select`` over whole blocks), run the layer backend's
-KV-cache variant (:func:`lockstep.ops.attention.get_cached_attention`).
+KV-cache variant (:func:`lockstep.ops.attention.get_cached_attention`), or its paged variant for a
+decode step that reads the pools in place (``AttentionBackend.paged``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ from torch import nn
 
 from lockstep.models.common.attention import GroupedQueryAttention
 from lockstep.models.common.mla import MultiHeadLatentAttention
-from lockstep.ops import paged_attention
-from lockstep.ops.attention import get_cached_attention
+from lockstep.ops.attention import get_cached_attention, paged_attention_kernels
 
 NULL_BLOCK = 0
 
@@ -126,16 +126,15 @@ class LayerCache:
                scale: float | None = None) -> torch.Tensor:
         """q [B, H, T, D], new k/v [B, Hkv, T, D] -> attention over each whole context [B, H, T, D].
 
-        A decode step (T = 1) of the ``sdpa`` backend on CPU reads the context in place from the
-        pools (:mod:`lockstep.ops.paged_attention`) instead of gathering it."""
+        A decode step of a backend with a paged variant (``sdpa`` on CPU) reads the context in place
+        from the pools (:mod:`lockstep.ops.paged_attention`) instead of gathering it."""
         k_pool, v_pool = self.pools
-        if backend == "sdpa" and self.owner.in_place_decode and paged_attention.usable(q, k_pool, v_pool):
+        paged = self.owner.paged.get(backend)
+        if paged is not None and paged.usable(q, k_pool, v_pool):
             meta = self.owner.meta
             self._store(k_pool, k.transpose(1, 2))
             self._store(v_pool, v.transpose(1, 2))
-            scale = paged_attention.default_scale(q.shape[-1]) if scale is None else scale
-            return torch.ops.lockstep.paged_decode_attention(q, k_pool, v_pool, meta.block_tables, meta.q_positions,
-                                                              scale)
+            return paged.attend(q, k_pool, v_pool, meta.block_tables, meta.q_positions, scale)
         k_ctx = self._store_and_gather(k_pool, k.transpose(1, 2)).transpose(1, 2)
         v_ctx = self._store_and_gather(v_pool, v.transpose(1, 2)).transpose(1, 2)
         fn = get_cached_attention(backend)
@@ -158,10 +157,11 @@ class PagedKVCache:
         if num_blocks < 1:
             raise ValueError(f"KV cache: need at least one block, got {num_blocks}")
         self.layouts, self.num_blocks, self.block_size, self.dtype = layouts, num_blocks, block_size, dtype
-        #: decode steps of the sdpa backend read K/V in place (lockstep.ops.paged_attention); decided
-        #: here, outside any compiled region, since building the kernel is not traceable
-        self.in_place_decode = (in_place_decode and torch.device(device).type == "cpu"
-                                and paged_attention.available())
+        #: backend name -> its paged decode variant, for those whose kernel runs on this device; decided
+        #: here, outside any compiled region, since building a kernel is not traceable
+        self.paged = paged_attention_kernels(torch.device(device)) if in_place_decode else {}
+        #: decode steps read K/V in place from the pools (for the backends in ``paged``)
+        self.in_place_decode = bool(self.paged)
         self.allocator = BlockAllocator(num_blocks)
         self.meta: StepMetadata | None = None
         self._layers: dict[str, LayerCache] = {}

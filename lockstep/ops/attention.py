@@ -1,47 +1,162 @@
-"""Attention kernels behind one signature, chosen by name from config (never by editing a model).
+"""Attention backends: one registry of kernels by name, and how an attention layer finds its kernel.
 
-Every backend takes ``q [B, H, T, D]`` and ``k, v [B, Hkv, S, D]`` (grouped-query heads are
-expanded here, not in the model) and returns ``[B, H, T, D]``. ``causal`` masks key positions after
-each query, aligned so the last query sees the last key (which makes cached decode with T < S work).
+A backend is registered once (:func:`register_attention_backend`) as an :class:`AttentionBackend` with
+every variant it has:
 
-Generation (the KV-cache path, ``lockstep.generate``) uses a second signature, registered per backend
-name with :func:`register_cached_attention`: ``q [B, H, T, D]`` for the *new* tokens only, ``k, v
-[B, Hkv, S, D(v)]`` each sequence's whole gathered context (key ``s`` holds position ``s``; slots past
-the sequence's length are padding) and ``q_positions [B, T]``, the absolute position of every query.
-Query ``(b, t)`` attends keys ``s <= q_positions[b, t]``; rows are independent, so sequences of
-different lengths share one call. A layer picks the cached variant of its own backend by name.
+* ``forward`` (training, scoring): ``q [B, H, T, D]`` and ``k, v [B, Hkv, S, D]`` (grouped-query heads
+  are expanded here, not in the model) -> ``[B, H, T, D]``. ``causal`` masks key positions after each
+  query, aligned so the last query sees the last key (which makes cached decode with T < S work).
+* ``cached`` (generation, :mod:`lockstep.generate`): ``q [B, H, T, D]`` for the *new* tokens only,
+  ``k, v [B, Hkv, S, D(v)]`` each sequence's whole gathered context (key ``s`` holds position ``s``;
+  slots past the sequence's length are padding) and ``q_positions [B, T]``, the absolute position of
+  every query. Query ``(b, t)`` attends keys ``s <= q_positions[b, t]``; rows are independent, so
+  sequences of different lengths share one call.
+* ``paged`` (optional, :class:`PagedAttention`): a decode step (T = 1) that reads keys and values in
+  place from the paged cache's block pools instead of a gathered copy.
+
+How a layer finds its kernel (the one mechanism; nothing swaps a module's attributes): attention
+modules subclass :class:`AttentionLayer`, which holds ``backend_name`` (the configured name, from the
+model config; fixed) and ``attention_wrapper`` (None, or what :func:`set_attention_wrapper` installed,
+e.g. context parallelism). On every call the layer runs :func:`resolve_backend` of its configured
+name: the ``batch_invariant`` backend while :func:`lockstep.numerics.set_batch_invariant` is on, its
+configured one otherwise. The full-sequence kernel is then called through the wrapper, if one is set;
+the cached and paged variants (generation) never are.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from lockstep import numerics
+from lockstep.ops import paged_attention
 
 AttentionFn = Callable[..., torch.Tensor]
-_BACKENDS: dict[str, AttentionFn] = {}
-_CACHED_BACKENDS: dict[str, AttentionFn] = {}
+#: ``wrapper(inner, q, k, v, *, causal, mask, scale)``: runs the full-sequence kernel ``inner`` its own way
+AttentionWrapper = Callable[..., torch.Tensor]
+#: the backend every layer resolves to while the batch-invariant switch is on (lockstep.ops.batch_invariant)
+BATCH_INVARIANT = "batch_invariant"
 
 
-def register_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
-    def decorator(fn: AttentionFn) -> AttentionFn:
-        _BACKENDS[name] = fn
-        return fn
+@dataclasses.dataclass(frozen=True)
+class PagedAttention:
+    """A decode kernel reading keys/values in place from the block pools of :mod:`lockstep.generate.cache`."""
 
-    return decorator
+    #: ``available(device)``: whether the kernel runs on ``device`` in this process (may build it: the
+    #: cache asks once, outside any compiled region)
+    available: Callable[[torch.device], bool]
+    #: ``usable(q, k_pool, v_pool)``: whether one call's shapes and dtypes fit (traceable checks only)
+    usable: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool]
+    #: ``attend(q [B, H, 1, D], k_pool, v_pool [blocks, block_size, Hkv, D], block_tables [B, W],
+    #: q_positions [B, 1], scale: float | None) -> [B, H, 1, D]``
+    attend: Callable[..., torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionBackend:
+    """One attention backend with its variants (see the module docstring for the signatures)."""
+
+    name: str
+    forward: AttentionFn
+    cached: AttentionFn | None = None
+    paged: PagedAttention | None = None
+
+
+_REGISTRY: dict[str, AttentionBackend] = {}
+
+
+def register_attention_backend(name: str, *, forward: AttentionFn, cached: AttentionFn | None = None,
+                               paged: PagedAttention | None = None) -> AttentionBackend:
+    """Register backend ``name`` with its variants (registering a name again replaces it)."""
+    backend = AttentionBackend(name, forward, cached, paged)
+    _REGISTRY[name] = backend
+    return backend
 
 
 def attention_backends() -> list[str]:
-    return sorted(_BACKENDS)
+    return sorted(_REGISTRY)
+
+
+def cached_attention_backends() -> list[str]:
+    return sorted(name for name, b in _REGISTRY.items() if b.cached is not None)
+
+
+def attention_backend(name: str) -> AttentionBackend:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {attention_backends()}") from None
 
 
 def get_attention(name: str) -> AttentionFn:
-    try:
-        return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; choose from {attention_backends()}") from None
+    """The full-sequence kernel of backend ``name``."""
+    return attention_backend(name).forward
+
+
+def get_cached_attention(name: str) -> AttentionFn:
+    """The KV-cache (generation) kernel of backend ``name``."""
+    fn = attention_backend(name).cached
+    if fn is None:
+        raise ValueError(f"attention backend {name!r} has no KV-cache (generation) variant; backends with one: "
+                         f"{cached_attention_backends()}")
+    return fn
+
+
+def paged_attention_kernels(device: torch.device) -> dict[str, PagedAttention]:
+    """Backend name -> its paged decode variant, for the backends whose paged kernel runs on ``device`` here."""
+    return {name: b.paged for name, b in _REGISTRY.items() if b.paged is not None and b.paged.available(device)}
+
+
+def resolve_backend(configured: str) -> str:
+    """The backend a layer configured with ``configured`` runs now: ``batch_invariant`` while the
+    batch-invariant switch is on, ``configured`` otherwise (read per call: traceable)."""
+    return BATCH_INVARIANT if numerics.is_batch_invariant() else configured
+
+
+class AttentionLayer(nn.Module):
+    """Base of attention modules whose kernel comes from this registry (module docstring)."""
+
+    def __init__(self, backend: str) -> None:
+        super().__init__()
+        attention_backend(backend)  # unknown names fail at build time, naming the choices
+        #: the configured backend (the model config's ``attention.backend``); never rewritten
+        self.backend_name = backend
+        #: installed by :func:`set_attention_wrapper` around the full-sequence kernel (None: call it directly)
+        self.attention_wrapper: AttentionWrapper | None = None
+
+    @property
+    def active_backend(self) -> str:
+        """The backend this layer runs now (:func:`resolve_backend`)."""
+        return resolve_backend(self.backend_name)
+
+    def full_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                       scale: float | None = None) -> torch.Tensor:
+        """Attention of ``q`` over ``k, v`` with the active backend's full-sequence kernel, through the
+        installed wrapper if there is one."""
+        fn = _REGISTRY[self.active_backend].forward
+        if self.attention_wrapper is not None:
+            return self.attention_wrapper(fn, q, k, v, causal=causal, mask=None, scale=scale)
+        return fn(q, k, v, causal=causal, scale=scale)
+
+
+def attention_layers(model: nn.Module) -> Iterator[AttentionLayer]:
+    """Every :class:`AttentionLayer` in ``model``."""
+    return (m for m in model.modules() if isinstance(m, AttentionLayer))
+
+
+def set_attention_wrapper(model: nn.Module, wrapper: AttentionWrapper | None) -> int:
+    """Install ``wrapper`` around the full-sequence kernel of every attention layer of ``model``
+    (``None`` removes it); returns how many layers there are."""
+    count = 0
+    for layer in attention_layers(model):
+        layer.attention_wrapper = wrapper
+        count += 1
+    return count
 
 
 def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -53,7 +168,6 @@ def expand_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, groups, s, d).reshape(b, h * groups, s, d)
 
 
-@register_attention("sdpa")
 def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -77,7 +191,6 @@ def sdpa_attention(
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
-@register_attention("reference")
 def reference_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -106,34 +219,12 @@ def causal_mask(t_q: int, t_k: int, device: torch.device | str) -> torch.Tensor:
     return k_pos <= q_pos
 
 
-def register_cached_attention(name: str) -> Callable[[AttentionFn], AttentionFn]:
-    """Register the KV-cache (generation) variant of backend ``name`` (see the module docstring)."""
-    def decorator(fn: AttentionFn) -> AttentionFn:
-        _CACHED_BACKENDS[name] = fn
-        return fn
-
-    return decorator
-
-
-def cached_attention_backends() -> list[str]:
-    return sorted(_CACHED_BACKENDS)
-
-
-def get_cached_attention(name: str) -> AttentionFn:
-    try:
-        return _CACHED_BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"attention backend {name!r} has no KV-cache (generation) variant; backends with one: "
-                         f"{cached_attention_backends()}") from None
-
-
 def position_mask(q_positions: torch.Tensor, context_len: int) -> torch.Tensor:
     """Boolean [B, 1, T, S] mask, True where key s (at position s) is at or before the query's position."""
     keys = torch.arange(context_len, device=q_positions.device)
     return keys <= q_positions[:, None, :, None]
 
 
-@register_cached_attention("sdpa")
 def sdpa_cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -155,7 +246,6 @@ def sdpa_cached_attention(
     return out.reshape(b, h, t, v.shape[-1])
 
 
-@register_cached_attention("reference")
 def reference_cached_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -170,3 +260,18 @@ def reference_cached_attention(
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
     scores = scores.masked_fill(~position_mask(q_positions, k.shape[2]), float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+
+
+def _sdpa_paged_available(device: torch.device) -> bool:
+    return device.type == "cpu" and paged_attention.available()
+
+
+def _sdpa_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                q_positions: torch.Tensor, scale: float | None) -> torch.Tensor:
+    scale = paged_attention.default_scale(q.shape[-1]) if scale is None else scale
+    return torch.ops.lockstep.paged_decode_attention(q, k_pool, v_pool, block_tables, q_positions, scale)
+
+
+register_attention_backend("sdpa", forward=sdpa_attention, cached=sdpa_cached_attention,
+                           paged=PagedAttention(_sdpa_paged_available, paged_attention.usable, _sdpa_paged))
+register_attention_backend("reference", forward=reference_attention, cached=reference_cached_attention)

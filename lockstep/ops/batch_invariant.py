@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.ops import bi_kernel, decode_linear
-from lockstep.ops.attention import register_attention, register_cached_attention
+from lockstep.ops.attention import BATCH_INVARIANT, register_attention_backend
 
 #: fp32 rows per tile: one tile holds a 16-sequence decode step (32 would double its work, and
 #: pad a single sequence's row 32-fold); at trainer sizes 16 and 32 cost about the same
@@ -271,5 +271,4 @@ def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_po
     return chunked_attention(q, k, v, q_positions, scale)
 
 
-register_attention("batch_invariant")(_full_attention)
-register_cached_attention("batch_invariant")(_cached_attention)
+register_attention_backend(BATCH_INVARIANT, forward=_full_attention, cached=_cached_attention)

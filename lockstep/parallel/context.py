@@ -21,9 +21,10 @@ Attention across shards, two exchanges (both exact, both autograd-correct, GQA a
 The layout is implied by shapes (local length ``T / cp`` and the cp rank), so nothing has to be set per
 step and the sequence length may change between steps.
 
-Install on a model from outside (``ContextParallel.install``): every submodule with a callable
-``backend`` attribute (``GroupedQueryAttention``, MLA) gets a CP backend wrapping its own kernel;
-``uninstall`` restores it.
+Install on a model from outside (``ContextParallel.install``): CP becomes the attention wrapper of
+every attention layer (``GroupedQueryAttention``, MLA; :func:`lockstep.ops.attention.set_attention_wrapper`),
+so each layer's own kernel (whatever it resolves to, the batch-invariant one included) runs inside
+CP; ``uninstall`` removes it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lockstep.ops.attention import AttentionFn, get_attention
+from lockstep.ops.attention import AttentionFn, attention_layers, get_attention, set_attention_wrapper
 
 METHODS = ("allgather", "ring")
 
@@ -325,8 +326,8 @@ class ContextParallel:
     """Context parallelism over ``group`` (None: the default group, or world 1 when not distributed).
 
     ``method``: "allgather" (keys/values all-gathered, each module's own kernel) or "ring"
-    (pass-KV ring, fp32 blockwise math). ``inner``: kernel used by ``attention`` itself (the installed
-    backends use each module's own kernel instead).
+    (pass-KV ring, fp32 blockwise math). ``inner``: kernel used by ``attention`` itself (installed on a
+    model, :meth:`wrap` runs each layer's own kernel instead).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, method: str = "allgather",
@@ -360,16 +361,10 @@ class ContextParallel:
         """Attention backend signature; q, k, v are this rank's slices [B, H(kv), T/cp, D]."""
         return self._attention(q, k, v, causal=causal, mask=mask, scale=scale, inner=self.inner)
 
-    def backend(self, inner: AttentionFn | None = None) -> AttentionFn:
-        """An attention backend (the registry signature) doing CP around ``inner``."""
-        inner = inner or self.inner
-
-        def cp_attention(q, k, v, *, causal: bool = True, mask: torch.Tensor | None = None,
-                         scale: float | None = None) -> torch.Tensor:
-            return self._attention(q, k, v, causal=causal, mask=mask, scale=scale, inner=inner)
-
-        cp_attention.context_parallel = self
-        return cp_attention
+    def wrap(self, inner: AttentionFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+             mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+        """The attention wrapper ``install`` puts on every layer: CP around the layer's kernel ``inner``."""
+        return self._attention(q, k, v, causal=causal, mask=mask, scale=scale, inner=inner)
 
     def _attention(self, q, k, v, *, causal, mask, scale, inner):
         if mask is not None:
@@ -386,35 +381,20 @@ class ContextParallel:
                                    cp_rank=self.rank, cp_size=self.size)
 
     # -- installing on a model ----------------------------------------------------------------------
-    @staticmethod
-    def _attention_modules(model: nn.Module) -> Iterator[nn.Module]:
-        for module in model.modules():
-            backend = getattr(module, "backend", None)
-            if callable(backend) and not isinstance(backend, nn.Module):
-                yield module
-
     def install(self, model: nn.Module) -> int:
-        """Swap every attention module's backend for a CP one around it; returns how many."""
-        count = 0
-        for module in self._attention_modules(model):
-            if hasattr(module, "_cp_original_backend"):
-                raise RuntimeError("context parallel is already installed on this model")
-            module._cp_original_backend = module.backend
-            module.backend = self.backend(module.backend)
-            count += 1
-        if not count:
-            raise ValueError("context parallel: the model has no module with an attention `backend`")
-        return count
+        """Make CP (:meth:`wrap`) the attention wrapper of every attention layer; returns how many."""
+        layers = list(attention_layers(model))
+        if not layers:
+            raise ValueError("context parallel: the model has no attention layer (an ops.attention.AttentionLayer)")
+        if any(layer.attention_wrapper is not None for layer in layers):
+            raise RuntimeError("context parallel: an attention wrapper is already installed on this model")
+        return set_attention_wrapper(model, self.wrap)
 
     @staticmethod
     def uninstall(model: nn.Module) -> int:
-        """Restore the backends ``install`` replaced; returns how many."""
-        count = 0
-        for module in model.modules():
-            if hasattr(module, "_cp_original_backend"):
-                module.backend = module._cp_original_backend
-                del module._cp_original_backend
-                count += 1
+        """Remove the attention wrappers ``install`` set; returns how many layers had one."""
+        count = sum(layer.attention_wrapper is not None for layer in attention_layers(model))
+        set_attention_wrapper(model, None)
         return count
 
     @contextlib.contextmanager

@@ -59,3 +59,22 @@ def test_decode_step_compiles_into_one_graph_per_bucket():
                      for p in prompts([5, 7])])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_engine_raises_the_recompile_limit_for_its_own_calls_only():
+    """Constructing or running a compiling engine leaves dynamo's process-wide recompile limit as it
+    was; inside its compiled calls the limit is raised, so buckets past the process's limit still
+    compile (with fail_on_recompile_limit_hit, a bucket over the limit would raise)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # compiled entries of other engines share the code object and its count
+    counters.clear()
+    model = tiny_model("llama3")
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        engine = engine_for(model, max_batch_size=2, block_size=16, compile_decode="aot_eager")
+        assert torch._dynamo.config.recompile_limit == 1
+        # two sequences decode together (bucket of 2 rows), then the longer one alone (1 row)
+        engine.generate([Request(prompt_ids=p, sampling=SamplingParams(max_new_tokens=n, temperature=0))
+                         for p, n in zip(prompts([5, 7]), (2, 5))])
+        assert torch._dynamo.config.recompile_limit == 1
+    assert counters["stats"]["unique_graphs"] == 2

@@ -73,19 +73,47 @@ def test_ring_block_math_matches_sdpa_in_one_process(causal, dv):
         assert (a - b).abs().max() < TOL
 
 
-def test_install_and_uninstall_swap_every_attention_backend():
+def test_install_and_uninstall_wrap_every_attention_layer():
     model = build_model(model_config("llama3", "debug"), seed=0)
     modules = [m for m in model.modules() if isinstance(m, GroupedQueryAttention)]
-    originals = [m.backend for m in modules]
     cp = ContextParallel()  # not distributed: world 1
     with cp.installed(model):
-        assert all(m.backend.context_parallel is cp for m in modules)
+        assert modules and all(m.attention_wrapper == cp.wrap for m in modules)
         with pytest.raises(RuntimeError, match="already installed"):
             cp.install(model)
         tokens = torch.randint(0, 4096, (1, 16))
         out = model(tokens, positions=cp.positions(16))
-    assert [m.backend for m in modules] == originals
+    assert all(m.attention_wrapper is None and m.backend_name == "sdpa" for m in modules)
     assert torch.equal(out, model(tokens))
+
+
+def test_cp_wraps_the_kernel_each_layer_resolves_to(monkeypatch):
+    """Installed before or after the batch-invariant switch is set, CP runs around the kernel the
+    layer resolves to per call (the invariant one while the switch is on), never a stale one."""
+    from lockstep import numerics
+    from lockstep.ops import attention
+
+    model = build_model(model_config("llama3", "debug"), seed=0)
+    tokens = torch.randint(0, 4096, (1, 16))
+    with numerics.batch_invariant():
+        invariant = model(tokens)
+    cp = ContextParallel()
+    seen = []
+    inner_of = cp.wrap
+
+    def spy(inner, *args, **kwargs):
+        seen.append(inner)
+        return inner_of(inner, *args, **kwargs)
+
+    monkeypatch.setattr(cp, "wrap", spy)
+    with cp.installed(model):
+        plain = model(tokens)
+        with numerics.batch_invariant():
+            wrapped_invariant = model(tokens)
+    n = len(model.layers)
+    assert seen == [attention.get_attention("sdpa")] * n + [attention.get_attention("batch_invariant")] * n
+    assert torch.equal(wrapped_invariant, invariant)
+    assert torch.equal(plain, model(tokens))
 
 
 # ----------------------------------------------------------------------------- world 2 and 4 (gloo)

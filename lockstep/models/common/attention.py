@@ -3,7 +3,8 @@
 ``forward(x, rope, cache=None)``: without a cache (training, scoring) attention is causal over ``x``'s
 own tokens. With a cache (generation, :mod:`lockstep.generate`) ``x`` holds only the new tokens of
 each sequence; the cache stores their keys/values and attends over each sequence's whole context
-with the KV-cache variant of this layer's backend (``lockstep.ops.attention``).
+with the KV-cache variant of this layer's backend. How the layer's kernel is found (configured name,
+batch-invariant switch, wrappers such as context parallelism): :mod:`lockstep.ops.attention`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from torch import nn
 from lockstep.config.base import Config, require_choice
 from lockstep.models.common.norm import RMSNorm
 from lockstep.models.common.rope import apply_rotary
-from lockstep.ops.attention import attention_backends, get_attention
+from lockstep.ops.attention import AttentionLayer, attention_backends
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -45,7 +46,7 @@ class AttentionConfig(Config):
 AttentionConfig.slot_kind = AttentionConfig
 
 
-class GroupedQueryAttention(nn.Module):
+class GroupedQueryAttention(AttentionLayer):
     """Multi-head attention where groups of query heads share one key/value head."""
 
     def __init__(
@@ -57,10 +58,8 @@ class GroupedQueryAttention(nn.Module):
         head_dim: int,
         norm_eps: float,
     ) -> None:
-        super().__init__()
+        super().__init__(config.backend)
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
-        self.backend_name = config.backend
-        self.backend = get_attention(config.backend)
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=config.qkv_bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=config.qkv_bias)
@@ -81,7 +80,7 @@ class GroupedQueryAttention(nn.Module):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
-            out = self.backend(q, k, v, causal=True)
+            out = self.full_attention(q, k, v, causal=True)
         else:
-            out = cache.attend(q, k, v, backend=self.backend_name, scale=None)
+            out = cache.attend(q, k, v, backend=self.active_backend, scale=None)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

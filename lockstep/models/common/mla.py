@@ -40,7 +40,7 @@ from lockstep.config.base import require, require_choice, require_positive
 from lockstep.models.common.attention import AttentionConfig
 from lockstep.models.common.norm import RMSNorm
 from lockstep.models.common.rope import apply_rotary
-from lockstep.ops.attention import attention_backends, get_attention
+from lockstep.ops.attention import AttentionLayer, attention_backends
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -105,21 +105,16 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(AttentionLayer):
     """x [B, T, dim], rope (cos, sin) [B or 1, T, qk_rope_head_dim] -> [B, T, dim]."""
 
     def __init__(self, config: MLAConfig, dim: int, n_heads: int) -> None:
-        super().__init__()
+        super().__init__(config.backend)
         self.config = config
         self.n_heads = n_heads
         self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
         self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.qk_head_dim, self.v_head_dim = config.qk_head_dim, config.v_head_dim
-        self.backend_name = config.backend
-        self.backend = get_attention(config.backend)
-        #: attend over the absorbed latent also without a cache (batch-invariant mode sets it, so the
-        #: trainer computes exactly what the engine's cache path computes)
-        self.absorb = False
         self.scale = (config.softmax_mscale or 1.0) / math.sqrt(self.qk_head_dim)
         bias = config.qkv_bias
         if self.q_lora_rank:
@@ -148,7 +143,9 @@ class MultiHeadLatentAttention(nn.Module):
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         cos, sin = rope
         q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
-        if cache is not None or self.absorb:
+        # batch-invariant mode attends over the absorbed latent also without a cache, so the trainer
+        # computes exactly what the engine's cache path computes
+        if cache is not None or numerics.is_batch_invariant():
             return self._forward_absorbed(q_nope, q_pe, c_kv, k_pe, cache)
 
         kv = self.wkv_b(self.kv_norm(c_kv)).view(bsz, seq, -1, self.qk_nope_head_dim + self.v_head_dim)
@@ -156,7 +153,7 @@ class MultiHeadLatentAttention(nn.Module):
 
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        out = self.backend(q, k, v, causal=True, scale=self.scale)  # [B, H, T, v_head_dim]
+        out = self.full_attention(q, k, v, causal=True, scale=self.scale)  # [B, H, T, v_head_dim]
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
     def _forward_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
@@ -170,9 +167,9 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([numerics.head_matmul(q_nope, w_uk), q_pe], dim=-1)
         if cache is None:
             kv = latent[:, None]  # one key/value head shared by every query head
-            out = self.backend(q, kv, kv[..., : self.kv_lora_rank], causal=True, scale=self.scale)
+            out = self.full_attention(q, kv, kv[..., : self.kv_lora_rank], causal=True, scale=self.scale)
         else:
-            out = cache.attend_latent(q, latent, value_dim=self.kv_lora_rank, backend=self.backend_name,
+            out = cache.attend_latent(q, latent, value_dim=self.kv_lora_rank, backend=self.active_backend,
                                       scale=self.scale)  # [B, H, T, kv_lora_rank]
         out = numerics.head_matmul(out, w_uv.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
