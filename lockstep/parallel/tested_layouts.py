@@ -22,6 +22,8 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("dp_shard=2 deepseek", "debug-deepseek", 2, {"dp_shard": 2}, []),
     ("cp=2 allgather", "debug", 2, {"cp": 2}, []),
     ("cp=2 ring x dp_shard=2", "debug", 4, {"cp": 2, "cp_method": "ring", "dp_shard": 2}, []),
+    # MoE under cp: every rank's expert-load metrics reach the record (tp and pp refuse MoE blocks)
+    ("cp=2 moe", "debug-moe", 2, {"cp": 2}, []),
     ("pp=2 1F1B", "debug", 2, {"pp": 2}, []),
     ("pp=2 ZBVZeroBubble", "debug", 2, {"pp": 2, "pp_schedule": "ZBVZeroBubble"}, FOUR_LAYERS),
     ("pp=2 x dp_shard=2 Interleaved1F1B", "debug", 4,

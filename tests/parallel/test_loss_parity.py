@@ -30,7 +30,7 @@ def _train(run_dir, recipe, nproc=1, extra=()):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in records if "loss" in r], run_dir
+    return [r for r in records if "loss" in r], run_dir
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def reference(tmp_path_factory):
     def get(recipe, model_flags=()):
         key = (recipe, tuple(model_flags))
         if key not in cache:
-            cache[key] = _train(root / f"{recipe}-{len(cache)}", recipe, extra=model_flags)[0]
+            cache[key] = [r["loss"] for r in _train(root / f"{recipe}-{len(cache)}", recipe, extra=model_flags)[0]]
         return cache[key]
 
     return get
@@ -54,7 +54,8 @@ LAYOUTS = [(test_id, recipe, world, degree_flags(degrees) + flags)
 
 @pytest.mark.parametrize("name, recipe, nproc, extra", LAYOUTS, ids=[l[0] for l in LAYOUTS])
 def test_layout_matches_one_process(tmp_path, reference, name, recipe, nproc, extra):
-    losses, run_dir = _train(tmp_path / "run", recipe, nproc, extra)
+    records, run_dir = _train(tmp_path / "run", recipe, nproc, extra)
+    losses = [r["loss"] for r in records]
     expected = reference(recipe, FOUR_LAYERS if "--model.n-layers" in extra else ())
     assert len(losses) == len(expected) == 5
     diffs = [abs(a - b) for a, b in zip(losses, expected)]
@@ -63,3 +64,6 @@ def test_layout_matches_one_process(tmp_path, reference, name, recipe, nproc, ex
     assert manifest["parallel"]["world_size"] == nproc
     assert manifest["parallel"]["parity_test"].endswith(f"[{name}]")  # the manifest names this test
     assert (run_dir / "logs" / f"rank{nproc - 1}.jsonl").is_file()  # per-rank logs
+    if "moe" in recipe or "deepseek" in recipe:  # the step seam reports MoE metrics on every layout
+        for r in records:
+            assert r["layers.1.feed_forward/load_cv"] >= 0 and r["layers.1.feed_forward/load_max"] > 0, r

@@ -140,3 +140,19 @@ def test_initial_weights_come_from_a_hf_directory(tmp_path):
     assert all(torch.equal(loaded[k], expected[k]) for k in expected)
     random_init = dict(Trainer(_debug(tmp_path, "random", steps=1)).model.named_parameters())
     assert not all(torch.equal(random_init[k], expected[k]) for k in expected)
+
+
+@pytest.mark.parametrize("device, message", [("cuda", "training.device: 'cuda' was asked for"),
+                                             ("tpu", "training.device: must be one of")])
+def test_device_field_is_checked_before_work(tmp_path, monkeypatch, device, message):
+    from lockstep.cli import resolve_config
+    from lockstep.cli_rl import resolve_rl_config
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=message):
+        resolve_config(["--recipe", "debug", "--training.device", device])[0].validate()
+    with pytest.raises(ConfigError, match=message):
+        resolve_rl_config(["--recipe", "rl-debug", "--training.device", device])[0].validate()
+    cfg, _ = resolve_config(["--recipe", "debug", "--training.device", "cpu", "--run-dir", str(tmp_path / "r")])
+    cfg.validate()
+    assert Trainer(cfg).runtime.device == torch.device("cpu")
