@@ -308,12 +308,11 @@ def _index_table(tables: list[dict], files_of: dict[int, list]) -> dict[str, dic
 
 def latest_step(storage: Storage) -> int | None:
     """The step the ``latest`` marker names if that checkpoint is complete, else the newest complete one."""
-    if storage.exists(LATEST):
-        step = parse_step_dir(storage.get(LATEST).decode().strip())
-        if step is not None and storage.exists(f"{storage.get(LATEST).decode().strip()}/{INDEX}"):
-            newer = [s for s in complete_steps(storage) if s > step]
-            return max(newer) if newer else step
+    marked = storage.get(LATEST).decode().strip() if storage.exists(LATEST) else ""
+    step = parse_step_dir(marked)
     steps = complete_steps(storage)
+    if step is not None and storage.exists(f"{marked}/{INDEX}"):
+        return max([*steps, step])  # a newer complete step than the marker's wins
     return steps[-1] if steps else None
 
 
