@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
-from lockstep.parallel.launch import init_distributed
+from lockstep.parallel.launch import init_distributed, resolve_device
 from lockstep.run.step import StepLoss, StepScalars
 
 
@@ -88,6 +88,11 @@ class ParallelRuntime:
             if rank not in members:
                 return None
         return cls(rank, len(members), dev, dims, mesh, dims.dp_rank(mesh), group=group, dtype=dtype)
+
+    @classmethod
+    def local(cls, device: str = "auto", dtype: torch.dtype = torch.float32) -> "ParallelRuntime":
+        """A one-process runtime that touches no process group (a component used on its own)."""
+        return cls(0, 1, resolve_device(device), ParallelConfig(dp_shard=1).resolve(1), None, 0, dtype=dtype)
 
     @property
     def is_main(self) -> bool:

@@ -82,9 +82,8 @@ class Learner:
         a runtime, a one-process one is made here (and the model moved to ``training.device``)."""
         self.config = config
         if runtime is None:
-            one = ParallelConfig(dp_shard=1)
-            runtime = ParallelRuntime.create(one, ranks=[0], device=config.training.device)
-            model = runtime.parallelize(model, one)
+            runtime = ParallelRuntime.local(config.training.device)
+            model = runtime.parallelize(model, ParallelConfig(dp_shard=1))
         self.runtime, self.model = runtime, model
         self.dp, self.dp_rank, self.group = runtime.world_size, runtime.dp_rank, runtime.group
         self.optimizer = config.optimizer.build(model)
