@@ -43,13 +43,26 @@ def test_bad_arguments_and_a_missing_cuda_exit_non_zero():
         assert result.returncode == 1 and re.search(r"^FAIL cuda: .*no CUDA device", result.stdout, re.M), result.stdout
 
 
-def test_a_failed_check_fails_the_run(monkeypatch, capsys):
+def _checks_module():
     spec = importlib.util.spec_from_file_location("gpu_checks", ROOT / "scripts" / "gpu_checks.py")
     checks = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(checks)
+    return checks
+
+
+def test_a_failed_check_fails_the_run(monkeypatch, capsys):
+    checks = _checks_module()
     monkeypatch.setitem(checks.CHECKS, "broken", lambda device, tmp: 1 / 0)
     monkeypatch.setitem(checks.CHECKS, "fine", lambda device, tmp: ("PASS", "ok"))
     assert checks.main(["--device", "cpu", "fine", "broken"]) == 1
     out = capsys.readouterr().out.splitlines()
     assert LINE.match(out[0]).groups()[:2] == ("PASS", "fine")
     assert LINE.match(out[1]).groups()[:2] == ("FAIL", "broken") and "ZeroDivisionError" in out[1]
+
+
+def test_batch_invariant_check_off_the_cpu_reports_cpu_only(tmp_path):
+    """The CUDA branch of the batch-invariance check, on the meta device: the engine's refusal is
+    what passes it (SKIP, "CPU-only"); the trainer-side probe cannot run on meta and is reported."""
+    status, detail = _checks_module().check_batch_invariant(torch.device("meta"), tmp_path)
+    assert status == "SKIP" and detail.startswith("CPU-only: the engine refuses it on meta"), detail
+    assert "(engine.batch_invariant)" in detail and "trainer scores alone vs batched on meta: raised" in detail
