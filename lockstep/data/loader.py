@@ -73,11 +73,6 @@ class PackedLoader:
         """Batches per epoch (a final partial batch is dropped)."""
         return self.num_windows // self.global_batch
 
-    @property
-    def tokens_per_batch(self) -> int:
-        """Input tokens in one batch on this rank (``batch_size * seq_len``)."""
-        return self.batch_size * self.seq_len
-
     def window_order(self, epoch: int) -> torch.Tensor:
         """Window indices in the order epoch ``epoch`` visits them."""
         if not self.shuffle:
@@ -106,10 +101,6 @@ class PackedLoader:
         batch = self._batch(self._rank_slice(self._order, self.position))
         self.position += self.global_batch
         return batch
-
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next training batch (same as ``next(loader)``)."""
-        return next(self)
 
     def iter_epoch(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """One pass over the windows in corpus order (no shuffle), ``num_batches`` batches.

@@ -23,8 +23,7 @@ Gradients. After ``backward`` of each rank's *local* mean loss ``L_r``, a replic
 ``dL_r/dw`` and a local expert holds ``sum_r dL_r/dw`` (every rank's tokens routed to it). For the
 global loss ``mean_r L_r``: all-reduce-average the replicated gradients over the ep group and divide
 the expert gradients by ``ep`` (no communication). :func:`sync_expert_parallel_grads` does this
-for plain data parallelism over the ep group; under FSDP the same factors come from the reduce-
-scatter (see :func:`expert_fsdp_divide_factor`).
+for plain data parallelism over the ep group.
 
 State dicts keep the single-process key names (``...feed_forward.experts.w1``) with the local
 slice as value; :func:`gather_full_experts` / :func:`expert_state_dict_full` gather the full
@@ -190,16 +189,6 @@ def expert_modules(model: nn.Module) -> list[tuple[str, ExpertParallelExperts]]:
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The expert-parallel (rank-local) parameters; every other parameter is replicated over ep."""
     return [p for _, m in expert_modules(model) for p in m.parameters()]
-
-
-def expert_fsdp_divide_factor(dp_size: int) -> float:
-    """Gradient divide factor for experts FSDP-sharded over the dp ranks *outside* ep.
-
-    An expert's gradient already sums the ep ranks' tokens, so reducing it over the remaining
-    ``dp / ep`` ranks must divide by the whole dp size (``dp_replicate * dp_shard``), not by the
-    size of the expert mesh: ``fully_shard(experts, mesh=...).set_gradient_divide_factor(dp_size)``.
-    """
-    return float(dp_size)
 
 
 @torch.no_grad()

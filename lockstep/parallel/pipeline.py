@@ -154,10 +154,6 @@ class PipelineStageModule(nn.Module):
         self.output = output
 
     @property
-    def is_first(self) -> bool:
-        return self.tok_embeddings is not None
-
-    @property
     def is_last(self) -> bool:
         return self.output is not None
 

@@ -160,10 +160,6 @@ class ParamPlacement:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
-    def is_expert(self) -> bool:
-        return self.kind == "experts"
-
     def pre_fsdp_shape(self, apply_tp: bool = True) -> tuple[int, ...]:
         """The rank's TP / EP piece before FSDP sharding (what one all-gather rebuilds)."""
         shape = list(self.shape)
