@@ -11,4 +11,3 @@ SAFETENSORS_CODES = {
 }
 DTYPE_NAMES = {dt: str(dt).removeprefix("torch.") for dt in SAFETENSORS_CODES}
 DTYPES_BY_NAME = {name: dt for dt, name in DTYPE_NAMES.items()}
-DTYPES_BY_CODE = {code: dt for dt, code in SAFETENSORS_CODES.items()}
