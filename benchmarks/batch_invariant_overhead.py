@@ -3,6 +3,11 @@
 Usage:
     .venv/bin/python benchmarks/batch_invariant_overhead.py [--recipe shakespeare] [--rounds 3] [--quick]
 
+Kernels follow the CPU's ISA level (``lockstep.ops.isa``); to measure a CPU without AMX on one with
+it, cap both lockstep's kernels and oneDNN's (set before torch loads):
+    LOCKSTEP_CPU_ISA=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 .venv/bin/python benchmarks/batch_invariant_overhead.py
+The header names the level, the oneDNN cap and the bf16 linear kernel in use.
+
 One model (the recipe's, fp32 weights; the trainer side uses the recipe's autocast dtype), measured
 in alternating order (off, on, on, off, ...) so host-load drift hits both modes alike. Trainer: a
 full step (forward, fp32 cross-entropy, backward, AdamW) on the recipe's batch. Generator: the
@@ -26,6 +31,7 @@ import torch.nn.functional as F
 from lockstep import numerics
 from lockstep.generate import Engine, EngineConfig, Request, SamplingParams
 from lockstep.models.common.transformer import build_model
+from lockstep.ops import decode_linear, isa
 from lockstep.recipes import get_recipe
 
 
@@ -87,6 +93,9 @@ def main() -> None:
     print(f"recipe {args.recipe}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"train batch {batch}x{seq} ({cfg.training.dtype}), generate 16 + 1 prompts x {args.new_tokens} "
           f"tokens (fp32 and bf16 weights), {args.threads} threads")
+    print(f"ISA level {isa.level()} (CPU: {isa.detected()}; LOCKSTEP_CPU_ISA={os.environ.get(isa.ENV)}), "
+          f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA')}, bf16 linear kernel "
+          f"{decode_linear.kernel()}, fp32 {decode_linear.kernel(torch.float32)}")
     results: dict[tuple[str, str, bool], list[float]] = {}
 
     def record(name: str, mode: bool, values: tuple[float, float]) -> None:

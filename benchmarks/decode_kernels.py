@@ -2,13 +2,16 @@
 
 Usage:
     .venv/bin/python benchmarks/decode_kernels.py [--rounds 5] [--rows 16]
+    # a CPU without AMX, on one with it (lockstep's kernels and oneDNN's both capped before torch loads):
+    LOCKSTEP_CPU_ISA=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 .venv/bin/python benchmarks/decode_kernels.py
 
 1. bf16 linear at decode rows on SmolLM2-135M's shapes (q/k/v merged 960x576, o 576x576, gate/up
    merged 3072x576, down 576x1536, head 49152x576; 30 layers' worth of distinct weights each, so a
-   sweep streams ~270 MB like one decode step): ``lockstep.ops.decode_linear`` vs oneDNN's prepacked
-   linear (``mkldnn._linear_pointwise`` on ``_reorder_linear_weight``, the engine's ``"onednn"``
-   kernel) vs plain ``F.linear``. Per shape: microseconds a call and weight GB/s (best of rounds);
-   the whole sweep: milliseconds, and the ratio AMX / oneDNN.
+   sweep streams ~270 MB like one decode step): ``lockstep.ops.decode_linear`` (the C kernel of
+   the ISA level: AMX, vdpbf16ps or plain C) vs oneDNN's prepacked linear
+   (``mkldnn._linear_pointwise`` on ``_reorder_linear_weight``, the engine's ``"onednn"`` kernel) vs
+   plain ``F.linear``. Per shape: microseconds a call and weight GB/s (best of rounds); the whole
+   sweep: milliseconds, and the ratio oneDNN / C kernel (what ``linear_kernel="auto"`` decides on).
 2. Decode attention, batch 16, 9 query / 3 kv heads of 64 (SmolLM2), 16-token blocks, 8-block
    tables, context 101: ``lockstep.ops.paged_attention`` (reads the pools in place) vs gathering the
    contexts and running SDPA (the engine's other path). "warm": one layer's pools in cache;
@@ -25,7 +28,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lockstep.ops import decode_linear, paged_attention
+from lockstep.ops import decode_linear, isa, paged_attention
 from lockstep.ops.attention import sdpa_cached_attention
 
 SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30), ("down", 576, 1536, 30),
@@ -44,14 +47,15 @@ def best_of(fn, rounds: int) -> float:
 
 def linears(rows: int, rounds: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    sides = {"amx": {}, "onednn": {}, "F.linear": {}}
+    c_side = f"C {decode_linear.kernel()}"
+    sides = {c_side: {}, "onednn": {}, "F.linear": {}}
     for name, n, k, layers in SHAPES:
         weights = [(torch.randn(n, k, generator=gen) / k**0.5).to(torch.bfloat16) for _ in range(layers)]
         x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
         packed = [decode_linear.pack(w) for w in weights] if decode_linear.available() else None
         reordered = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
         if packed is not None:
-            sides["amx"][name] = lambda x=x, packed=packed, n=n: [decode_linear.linear(x, p, n) for p in packed]
+            sides[c_side][name] = lambda x=x, packed=packed, n=n: [decode_linear.linear(x, p, n) for p in packed]
         sides["onednn"][name] = lambda x=x, r=reordered: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
                                                           for w in r]
         sides["F.linear"][name] = lambda x=x, weights=weights: [F.linear(x, w) for w in weights]
@@ -76,8 +80,8 @@ def linears(rows: int, rounds: int) -> None:
             sweeps[label].append(time.perf_counter() - start)
     line = ", ".join(f"{label} {min(v) * 1e3:.2f} ms" for label, v in sweeps.items())
     print(f"sweep of every shape (~270 MB of weights): {line}")
-    if "amx" in sweeps:
-        print(f"ratio oneDNN / AMX (sweep, best): {min(sweeps['onednn']) / min(sweeps['amx']):.2f}x")
+    if c_side in sweeps:
+        print(f"ratio oneDNN / {c_side} (sweep, best): {min(sweeps['onednn']) / min(sweeps[c_side]):.2f}x")
 
 
 def attention(rounds: int) -> None:
@@ -127,7 +131,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, AMX kernel: {decode_linear.available()}")
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, ISA level {isa.level()} (CPU {isa.detected()}), "
+          f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA')}, bf16 C kernel: {decode_linear.kernel()}")
     with torch.inference_mode():
         linears(args.rows, args.rounds)
         attention(args.rounds)

@@ -167,3 +167,20 @@ def test_attention_gradients_are_the_ordinary_ones(square):
     expected = torch.autograd.grad(reference_attention(q, k, v, causal=True).square().sum(), (q, k, v))
     for got, want in zip(grads, expected):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)  # fp32, another summation order
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", [level for level in isa.runnable() if level != isa.detected()])
+def test_models_trainer_equals_generator_at_lower_levels(level):
+    """The whole-model promise (test_batch_invariant_models.py) at each lower ISA level, in a
+    subprocess: ``LOCKSTEP_CPU_ISA`` caps lockstep's kernels and, below amx, ``ONEDNN_MAX_CPU_ISA``
+    caps oneDNN's before torch loads, so torch's own bf16 GEMMs run their non-AMX kernels too (as on
+    a CPU without AMX). bf16, every family (the bf16 linear is what differs between levels)."""
+    env = {**os.environ, isa.ENV: level}
+    if isa.detected() == "amx":
+        env["ONEDNN_MAX_CPU_ISA"] = "AVX512_CORE_BF16"
+    models = os.path.join(os.path.dirname(__file__), "test_batch_invariant_models.py")
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", models,
+                             "-k", "generator_logprobs_equal_trainer and bfloat16"],
+                            env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and " passed" in result.stdout, result.stdout[-3000:] + result.stderr[-2000:]
