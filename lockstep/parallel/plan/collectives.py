@@ -65,7 +65,6 @@ class Collective:
                 "traffic_bytes_per_rank_per_step": self.traffic_per_step}
 
 
-
 def step_collectives(stage: StagePlan, model: nn.Module, block_names: list[str],
                      st: dict[str, Any]) -> list[Collective]:
     """The collectives of one optimizer step on ``stage`` (FSDP, TP, EP, PP), from the settings ``st``."""

@@ -286,7 +286,6 @@ def compress_names(names: Iterable[str], limit: int = 4) -> str:
     return ", ".join(parts[:limit]) + (f" (+{extra} more)" if extra > 0 else "")
 
 
-
 def ffn_is_moe(block: nn.Module) -> bool:
     """Whether ``block``'s feed-forward is a routed-expert MoE."""
     return isinstance(block.feed_forward, MoE)

@@ -86,7 +86,6 @@ def block_activation_bytes(block: nn.Module, dim: int, compute_bytes: int, ac: s
     return saved, 0.0
 
 
-
 def fsdp_units(params: list[ParamPlacement], pb: int, gb: int, cb: int) -> dict[str, dict[str, Any]]:
     """FSDP units of a stage (``layers.i``, ``mtp.k``, root): sharded / gathered numel and bytes per rank."""
     units: dict[str, dict[str, Any]] = {}
