@@ -4,7 +4,9 @@
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads; ``load_lockstep_dir`` /
 ``save_lockstep_dir`` for lockstep's own format (also reads training run directories).
 Each family's ``ModelSpec.hf_adapter`` (see :mod:`lockstep.models.hf.adapter`) translates names
-and config fields; this package does the file work and error reporting.
+and config fields; this package does the file work and error reporting. Callers that take "a
+model" from the user (generate, ``init_from``) go through :func:`lockstep.load.load_model`, which
+picks among these readers.
 """
 
 from lockstep.models.hf.config_io import config_from_dict, config_to_dict
