@@ -45,7 +45,7 @@ from lockstep.config.base import ConfigError
 from lockstep.data.config import DataConfig
 from lockstep.data.tokenizer import Tokenizer
 from lockstep.generate.chat import ChatTemplate, load_chat_template
-from lockstep.models.common.transformer import Transformer, TransformerConfig
+from lockstep.models.common.transformer import Transformer, TransformerConfig, build_meta_model
 from lockstep.models.hf.config_io import check_same_architecture, config_from_dict
 from lockstep.models.hf.gguf import gguf_hf_dir, smollm2_hf_dir
 from lockstep.models.hf.io import (
@@ -55,7 +55,6 @@ from lockstep.models.hf.io import (
     load_hf_config,
     load_lockstep_dir,
     materialize,
-    meta_model,
     resolve_dtype,
 )
 
@@ -133,7 +132,7 @@ def load_model(source: PathLike, *, config: TransformerConfig | None = None, ste
     if config is not None and loaded.kind != "hf":  # load_hf built the model from ``config``
         check_same_architecture(loaded.model.config, config, f"{field} {path}")
         if config != loaded.model.config:
-            loaded.model = materialize(meta_model(config), loaded.model.state_dict(), device)
+            loaded.model = materialize(build_meta_model(config), loaded.model.state_dict(), device)
     return loaded
 
 
@@ -267,7 +266,7 @@ def _load_checkpoint(path: Path, storage: Any, step: int | None, dtype: Any, dev
     dtype = resolve_dtype(dtype)
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).to(device)
              for k, v in state.items()}
-    model = meta_model(config)
+    model = build_meta_model(config)
     expected, found = set(model.state_dict()), set(state)
     if expected != found:
         missing, extra = sorted(expected - found), sorted(found - expected)

@@ -245,10 +245,15 @@ class Transformer(nn.Module):
         return 6 * (matmul_params - norm_params) + attn
 
 
+def build_meta_model(config: TransformerConfig) -> Transformer:
+    """The model of ``config`` on the meta device (no storage is allocated)."""
+    with torch.device("meta"):
+        return config.build()
+
+
 def build_model(config: TransformerConfig, device: str | torch.device = "cpu", seed: int | None = 0) -> Transformer:
     """Build on the meta device, materialise on ``device`` and initialise deterministically."""
-    with torch.device("meta"):
-        model = config.build()
+    model = build_meta_model(config)
     model.to_empty(device=device)
     model.tie_weights()
     model.init_weights(seed)

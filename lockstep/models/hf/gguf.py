@@ -284,7 +284,8 @@ def gguf_tokenizer(reader: Any) -> tuple[Any, dict[str, Any]]:
 
 def gguf_to_hf_dir(gguf_path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     """Convert a llama GGUF file into an HF directory (fp32 safetensors, config, tokenizer)."""
-    from lockstep.models.hf.io import materialize, meta_model, save_hf
+    from lockstep.models.common.transformer import build_meta_model
+    from lockstep.models.hf.io import materialize, save_hf
     from lockstep.models.llama3.hf import ADAPTER
 
     gguf = _require_gguf()
@@ -294,7 +295,7 @@ def gguf_to_hf_dir(gguf_path: str | os.PathLike[str], out: str | os.PathLike[str
     hf_config = gguf_llama_config(reader)
     config = ADAPTER.config_from_hf(hf_config)
     hf_state = gguf_llama_tensors(reader, hf_config)
-    model = materialize(meta_model(config), ADAPTER.state_from_hf(hf_state, config), "cpu")
+    model = materialize(build_meta_model(config), ADAPTER.state_from_hf(hf_state, config), "cpu")
     ids = {k: hf_config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in hf_config}
     save_hf(model, out, config_extra=ids, generation_config=dict(ids))
     tokenizer, tok_config = gguf_tokenizer(reader)

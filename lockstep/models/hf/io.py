@@ -27,7 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lockstep.config.base import ConfigError
-from lockstep.models.common.transformer import Transformer, TransformerConfig
+from lockstep.models.common.transformer import Transformer, TransformerConfig, build_meta_model
 from lockstep.models.hf.config_io import check_same_architecture, config_from_dict, config_to_dict
 from lockstep.models.hf.dense import IGNORED_HF_TENSORS
 from lockstep.models.registry import get_model_spec, spec_for_hf_model_type
@@ -107,12 +107,6 @@ def _check_tensors(
                         + (f"; ... ({len(shapes) - _LIST_LIMIT} more)" if len(shapes) > _LIST_LIMIT else ""))
     if problems:
         raise ConfigError(f"{where}: " + "; ".join(problems))
-
-
-def meta_model(config: TransformerConfig) -> Transformer:
-    """``config``'s model built on the meta device (no memory), for :func:`materialize`."""
-    with torch.device("meta"):
-        return config.build()
 
 
 def _expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
@@ -263,7 +257,7 @@ def load_hf(
         config = stored
     else:
         check_same_architecture(stored, config, str(path / CONFIG_NAME))
-    model = meta_model(config)
+    model = build_meta_model(config)
     expected_ls = _expected_shapes(model)
     expected_hf, tied_optional = _expected_hf_shapes(adapter, model, config)
     files = hf_weight_files(path)
@@ -421,7 +415,7 @@ def load_lockstep_dir(
     files = {}
     with safe_open(str(file), framework="pt") as handle:
         files = {name: file for name in handle.keys()}
-    model = meta_model(config)
+    model = build_meta_model(config)
     expected = _expected_shapes(model)
     optional = {"output.weight", "tok_embeddings.weight"} if config.tie_embeddings else set()
     found = _shapes_of(files)

@@ -20,11 +20,11 @@ import dataclasses
 import math
 from typing import TYPE_CHECKING, Any
 
-import torch
 from torch import nn
 
 from lockstep.models.common.attention import GroupedQueryAttention as GQA
 from lockstep.models.common.moe import MoE
+from lockstep.models.common.transformer import build_meta_model
 from lockstep.parallel.plan.collectives import Collective, step_collectives
 from lockstep.parallel.plan.report import format_plan
 from lockstep.parallel.plan.layout import (AC_MODES, DTYPE_BYTES, SCHEDULES, Layout, ParamPlacement, flag_error,
@@ -204,12 +204,6 @@ def _validate_model(model: nn.Module, layout: Layout, seq_len: int) -> None:
         for m in moes:
             if m.n_experts % layout.ep:
                 flag_error("--ep", f"{layout.ep} does not divide n_routed_experts={m.n_experts}")
-
-
-def build_meta_model(config: TransformerConfig) -> nn.Module:
-    """The model of ``config`` on the meta device (no storage is allocated)."""
-    with torch.device("meta"):
-        return config.build()
 
 
 def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch_size: int | None = None,
