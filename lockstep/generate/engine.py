@@ -342,18 +342,18 @@ class Engine:
         is never skipped again.
 
         One graph per bucket is up to log2(max batch) x log2(max blocks) graphs, above dynamo's default
-        recompile limit of 8: the limit is raised to 64 around these calls only (dynamo reads it when it
-        compiles, which happens inside them), not for the rest of the process."""
-        limit = max(torch._dynamo.config.recompile_limit, 64)
-        with torch._dynamo.config.patch(recompile_limit=limit):
-            if self.config.skip_guard_checks and bucket in self._guarded and bucket not in self._unskippable:
-                try:
-                    with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                        return self._decode_forward(tokens, positions)
-                except RuntimeError as err:
-                    if "skip_guard_eval_unsafe" not in str(err):
-                        raise
-                    self._unskippable.add(bucket)
+        recompile limit of 8: the limit is raised to 64 around the fully guarded call only (the one
+        that may compile; dynamo reads the limit when it does), not for the rest of the process. The
+        guard-skipping call never compiles (it raises instead), so it pays nothing for the patch."""
+        if self.config.skip_guard_checks and bucket in self._guarded and bucket not in self._unskippable:
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    return self._decode_forward(tokens, positions)
+            except RuntimeError as err:
+                if "skip_guard_eval_unsafe" not in str(err):
+                    raise
+                self._unskippable.add(bucket)
+        with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64)):
             logits = self._decode_forward(tokens, positions)
         self._guarded.add(bucket)  # ran with every guard checked: this bucket's graph is known
         return logits
