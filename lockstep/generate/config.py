@@ -60,7 +60,8 @@ class EngineConfig(Config):
     pack_weights: bool = True
     #: the kernel packed bf16 linears run: "amx" (lockstep.ops.decode_linear: Intel AMX tiles, ~1.4x oneDNN
     #: at decode sizes; fp32 sums in a fixed order, not F.linear's bits), "onednn" (oneDNN's
-    #: prepacked linear: bitwise equal to F.linear here) or "auto" (amx where the CPU has it)
+    #: prepacked linear: bitwise equal to F.linear on contiguous inputs) or "auto" (the C kernel of the
+    #: CPU's ISA level, lockstep.ops.isa, where it beats oneDNN: AMX, or vdpbf16ps; oneDNN below)
     linear_kernel: str = "auto"
     #: decode steps read keys/values in place from the paged cache (lockstep.ops.paged_attention, a C
     #: kernel; CPU, sdpa backend) instead of gathering each context and running SDPA on the copy

@@ -296,6 +296,7 @@ def test_the_layer_table_forgets_dropped_layers():
     assert _layer(64, 32, bias=False)._pack_handle > max(handles)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(isa.detected() != "amx", reason="without AMX oneDNN runs its non-AMX kernels in the main run")
 def test_bitwise_claim_with_onednn_capped_below_amx():
     """oneDNN's own dispatch capped to AVX512_CORE_BF16 (before torch loads; it then names
@@ -309,6 +310,6 @@ def test_bitwise_claim_with_onednn_capped_below_amx():
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                              f"{__file__}::test_packed_linear_is_bitwise_f_linear",
                              f"{__file__}::test_engine_with_packed_weights_generates_what_it_generates_without",
-                             "-k", "bitwise or llama3"],
+                             "-k", "bitwise or llama3-onednn"],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
