@@ -55,8 +55,12 @@ void bf16_pack(const uint16_t *weight, uint16_t *packed, int64_t n, int64_t k) {
 
 /* x's pair p of a row (x[2p] low, x[2p+1] high), +0 past K */
 static inline uint32_t x_pair(const uint16_t *x, int64_t p, int64_t k) {
-    const uint32_t lo = x[2 * p], hi = 2 * p + 1 < k ? x[2 * p + 1] : 0;
-    return lo | hi << 16;
+    if (2 * p + 1 < k) {
+        uint32_t both;
+        memcpy(&both, x + 2 * p, sizeof both);
+        return both;
+    }
+    return x[2 * p];
 }
 
 static inline float daz_widen(uint16_t h) {
