@@ -238,9 +238,14 @@ class ParallelRuntime:
         return grad_norm
 
     def after_optimizer_step(self, model: nn.Module) -> None:
-        """Once per optimizer step, outside any forward: the MoE routers' pending selection-bias
-        updates (any module tree: a model, FSDP-wrapped, or a pipeline rank's stages). A collective
-        under data parallelism (the expert counts are summed over the data-parallel ranks)."""
+        """Once per optimizer step, outside any forward: the model's ``after_optimizer_step()`` (the
+        MoE routers' pending selection-bias updates), or, for a module without it (a pipeline rank's
+        stages), those updates directly. A collective under data parallelism (expert counts are
+        summed over the data-parallel ranks)."""
+        hook = getattr(model, "after_optimizer_step", None)
+        if callable(hook):
+            hook()
+            return
         from lockstep.models.common.moe import apply_routing_updates
 
         apply_routing_updates(model)
