@@ -70,6 +70,8 @@ class ParallelRuntime:
     group: object | None = None
     #: the compute dtype (autocast when not float32)
     dtype: torch.dtype = torch.float32
+    #: the global rank of this runtime's first rank (its main rank)
+    first_rank: int = 0
 
     @classmethod
     def create(cls, config: ParallelConfig, *, ranks: Sequence[int] | None = None, device: str = "auto",
@@ -87,7 +89,8 @@ class ParallelRuntime:
             group = dist.new_group(ranks=members)
             if rank not in members:
                 return None
-        return cls(rank, len(members), dev, dims, mesh, dims.dp_rank(mesh), group=group, dtype=dtype)
+        return cls(rank, len(members), dev, dims, mesh, dims.dp_rank(mesh), group=group, dtype=dtype,
+                   first_rank=members[0])
 
     @classmethod
     def local(cls, device: str = "auto", dtype: torch.dtype = torch.float32) -> "ParallelRuntime":
@@ -97,7 +100,7 @@ class ParallelRuntime:
     @property
     def is_main(self) -> bool:
         """The runtime's first rank (the one writing the run directory)."""
-        return self.rank == 0
+        return self.rank == self.first_rank
 
     @property
     def distributed(self) -> bool:
