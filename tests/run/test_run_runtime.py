@@ -9,6 +9,7 @@ import json
 import os
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -37,6 +38,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_runtime_over_a_subset_of_the_world(tmp_path):
     mp.spawn(_worker, args=(3, str(tmp_path / "init"), str(tmp_path)), nprocs=3, join=True)
     out = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
