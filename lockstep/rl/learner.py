@@ -9,8 +9,9 @@
    trainer's own, ``training.ratio_to``), backward; the loss's denominator is the whole step's,
    so micro-batching does not change the loss; the step's scalars stay tensors until one
    reduction over the trainer ranks at the end (no host synchronisation per micro-batch);
-4. clip, AdamW step (``ParallelRuntime.optimizer_step``, as pretraining); ``logprob_diff/*`` compares the generator's log-probabilities of every
-   generated token with the trainer's, before the update.
+4. clip, AdamW step (``ParallelRuntime.optimizer_step``, as pretraining); ``logprob_diff/*``
+   compares the generator's log-probabilities of every generated token with the trainer's, before
+   the update.
 
 Episodes travel between processes as :class:`EpisodeRecord` (token ids, masks, log-probs, reward,
 policy version; no environment objects).
