@@ -5,10 +5,12 @@ run's device (NCCL on CUDA, gloo on the CPU), resolves the degrees and builds th
 whole world, or over a subset of it (``ranks=``: an RL job's trainer ranks, beside its generator
 processes). It parallelizes a model with its family's plan (on ``device``), and is the step seam:
 
-- ``loss_and_backward(batch, accumulate)``: one micro-batch's forward + backward for the layout
-  (plain; tensor parallel under ``loss_parallel``; context parallel: ``shard_batch`` + the cp
-  cross-entropy; pipeline: ``PipelineRunner.step``), returning a :class:`~lockstep.run.step.StepLoss`
-  of detached tensors -- no host synchronisation;
+- ``loss_and_backward(batch, accumulate, objective=None)``: one micro-batch's forward + backward
+  for the layout, returning a :class:`~lockstep.run.step.StepLoss` of detached tensors -- no host
+  synchronisation. The forward is an :class:`~lockstep.run.objective.Objective` (what the workload
+  computes: the LM cross-entropy by default, with context parallel's ``shard_batch`` + cp
+  cross-entropy; RL's policy-gradient loss) wrapped with the layout's pieces (device, autocast,
+  ``loss_parallel`` when tp > 1, timer stages, the backward); pipeline: ``PipelineRunner.step``;
 - ``loss(batch)``: the same forward without gradients (evaluation);
 - ``optimizer_step(optimizer, max_norm)``: gradient sync (cp, ep), clipping, the step, and the
   model's ``after_optimizer_step`` hook;
@@ -25,17 +27,12 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.launch import init_distributed, resolve_device
+from lockstep.run.objective import LMObjective, Objective, lm_loss  # noqa: F401  (lm_loss: re-exported)
 from lockstep.run.step import StepLoss, StepScalars
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy, computed in fp32."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def _sub_mesh(dims: ParallelDims, ranks: list[int], device_type: str):
@@ -174,41 +171,40 @@ class ParallelRuntime:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def loss_and_backward(self, batch: tuple[torch.Tensor, torch.Tensor], accumulate: int = 1,
-                          timer=None) -> StepLoss:
-        """Forward + backward of one micro-batch ``(inputs, targets)`` (full ``[B, T]``, this data
-        rank's share) for this layout; the gradient is that of ``(loss + auxiliary losses) /
-        accumulate``. ``timer``: a StageTimer (stages ``forward``/``backward``; a pipeline's
-        interleaved schedule is one ``forward_backward`` stage)."""
-        return self._forward(batch, accumulate, timer, train=True)
+    def loss_and_backward(self, batch, accumulate: int = 1, timer=None,
+                          objective: Objective | None = None) -> StepLoss:
+        """Forward + backward of one micro-batch (this data rank's share) for this layout; the
+        gradient is that of ``objective``'s loss ``/ accumulate``. ``objective``: None, the LM
+        objective, ``batch`` = ``(inputs, targets)`` full ``[B, T]`` (the loss + auxiliary losses).
+        ``timer``: a StageTimer (stages ``forward``/``backward``; a pipeline's interleaved schedule
+        is one ``forward_backward`` stage). Returns the objective's report."""
+        return self._forward(batch, accumulate, timer, objective, train=True)
 
     @torch.no_grad()
-    def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> StepLoss:
+    def loss(self, batch, objective: Objective | None = None) -> StepLoss:
         """The loss of one batch without gradients (evaluation; modules' metrics are dropped)."""
-        out = self._forward(batch, 1, None, train=False)
+        out = self._forward(batch, 1, None, objective, train=False)
         return StepLoss(out.loss)
 
-    def _forward(self, batch, accumulate: int, timer, train: bool) -> StepLoss:
+    def _forward(self, batch, accumulate: int, timer, objective: Objective | None, train: bool) -> StepLoss:
         stage = timer.stage if timer is not None else (lambda name: contextlib.nullcontext())
-        inputs, targets = self.to_device(*batch)
+        # a tuple of tensors goes to the device here; another batch type by its own ``to(device)``
+        batch = self.to_device(*batch) if isinstance(batch, (tuple, list)) else batch.to(self.device)
+        if objective is not None and (self.pipeline is not None or self.context is not None):
+            raise ValueError(f"ParallelRuntime: objective {type(objective).__name__}: pipeline and context "
+                             f"parallel layouts run the LM objective only")
         if self.pipeline is not None:
-            return self._pipeline_forward(inputs, targets, accumulate, stage, train)
-        positions = None
-        if self.context is not None:  # this rank's share of each sequence
-            inputs, targets, positions = self.context.shard_batch(inputs, targets)
+            return self._pipeline_forward(*batch, accumulate, stage, train)
+        if objective is None:
+            objective = LMObjective(self.context)
         with self.loss_context():
             with stage("forward"), self.autocast():
-                logits = self.model(inputs) if positions is None else self.model(inputs, positions=positions)
-                if self.context is not None:  # local: this rank's part of the global mean; main: that mean
-                    local, main = self.context.cross_entropy(logits, targets)
-                else:
-                    local = main = lm_loss(logits, targets)
-                aux_losses, metrics = self.model.pop_auxiliary()
-                loss = (local + sum(aux_losses.values())) / accumulate
+                loss, report = objective(self.model, batch)
+                loss = loss / accumulate
             if train:
                 with stage("backward"):
                     loss.backward()
-        return StepLoss(main.detach(), {k: v.detach() for k, v in aux_losses.items()}, metrics)
+        return report
 
     def _pipeline_forward(self, inputs, targets, accumulate: int, stage, train: bool) -> StepLoss:
         """The schedule's step on this rank's stages. The loss exists on the last stage's rank only
@@ -221,7 +217,7 @@ class ParallelRuntime:
                 local = self.pipeline.step(inputs, targets, loss_scale=1.0 / accumulate)
             else:
                 local = self.pipeline.eval_loss(inputs, targets)
-        return StepLoss(None if local is None else torch.tensor(local, dtype=torch.float64))
+        return StepLoss(local)  # a detached float64 tensor on the device (None off the last stage)
 
     def scalars(self) -> StepScalars:
         """An accumulator of a step's scalars, reduced over this runtime's ranks in one collective."""
