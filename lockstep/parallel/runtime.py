@@ -217,7 +217,7 @@ class ParallelRuntime:
                 local = self.pipeline.step(inputs, targets, loss_scale=1.0 / accumulate)
             else:
                 local = self.pipeline.eval_loss(inputs, targets)
-        return StepLoss(local)  # a detached float64 tensor on the device (None off the last stage)
+        return StepLoss(None if local is None else torch.tensor(local, dtype=torch.float64))
 
     def scalars(self) -> StepScalars:
         """An accumulator of a step's scalars, reduced over this runtime's ranks in one collective."""
