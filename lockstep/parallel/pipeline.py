@@ -159,8 +159,7 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        positions = torch.arange(h.shape[1], device=h.device)[None]
-        rope = self.rope(positions)
+        rope = self.rope.prefix(h.shape[1])  # positions 0..T-1, as the full model's default
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.norm is not None:
@@ -288,8 +287,9 @@ def _keep_unsharded_after_forward(parts: Sequence[nn.Module]) -> None:
 
 @dataclasses.dataclass
 class _LossState:
-    n_tokens: int = 1
-    scale: float = 1.0
+    #: ``scale / (target tokens of the whole batch)`` as a float32 0-d tensor on the batch's device:
+    #: computed on the device (float64, then rounded), so preparing a step reads nothing back to the host
+    factor: torch.Tensor | None = None
 
 
 class PipelineRunner:
@@ -345,47 +345,54 @@ class PipelineRunner:
         self.schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        state = self._loss_state
         total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
                                 ignore_index=IGNORE_INDEX)
-        return total * (state.scale / state.n_tokens)
+        return total * self._loss_state.factor
 
     def _prepare(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> None:
         if inputs.shape[0] % self.n_microbatches:
             raise ValueError(f"n_microbatches: {self.n_microbatches} does not divide the batch of "
                              f"{inputs.shape[0]} sequences (micro-batches must have equal shapes)")
-        self._loss_state.n_tokens = max(int((targets != IGNORE_INDEX).sum()), 1)
-        self._loss_state.scale = scale
+        # the same float64 arithmetic as Python's ``scale / n_tokens`` (not ``scale * (1 / n)``), kept
+        # on the device: no host synchronisation per micro-batch
+        n_tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        scale64 = torch.full((), scale, dtype=torch.float64, device=targets.device)
+        self._loss_state.factor = scale64.div(n_tokens).float()
 
-    def _run(self, run, inputs, targets) -> float | None:
+    def _run(self, run, inputs, targets) -> torch.Tensor | None:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         target = targets if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
         run(*args, target=target, losses=losses)
         if not self.has_last_stage:
             return None
-        return float(torch.stack([l.detach().float() for l in losses]).sum())
+        return torch.stack([l.detach().float() for l in losses]).sum().to(torch.float64)
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *, loss_scale: float = 1.0) -> float | None:
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor, *,
+             loss_scale: float = 1.0) -> torch.Tensor | None:
         """Forward + backward of one batch through the pipeline; gradients accumulate into
         ``.grad`` of ``model_parts`` (``loss_scale`` multiplies them, e.g. ``1 / grad_accum``).
 
-        Returns the batch's mean cross-entropy (unscaled) on the rank(s) holding the last stage,
-        None elsewhere (see ``broadcast_loss``).
+        Returns the batch's mean cross-entropy (unscaled) as a detached float64 0-d tensor on the
+        rank(s) holding the last stage, None elsewhere (see ``broadcast_loss``). Nothing is read back
+        to the host: the caller decides when to synchronise (``StepScalars.reduce``, once a step).
         """
         self._prepare(inputs, targets, loss_scale)
         loss = self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), inputs, targets)
         return None if loss is None else loss / loss_scale
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """Forward-only mean cross-entropy of a batch (last-stage rank; None elsewhere)."""
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward-only mean cross-entropy of a batch (a float64 0-d tensor on the last-stage rank;
+        None elsewhere)."""
         self._prepare(inputs, targets, 1.0)
         return self._run(lambda *a, **k: self.schedule.eval(*a, return_outputs=False, **k), inputs, targets)
 
-    def broadcast_loss(self, loss: float | None) -> float:
-        """The last stage's loss on every pipeline rank (collective over the pipeline group)."""
-        t = torch.tensor([float("nan") if loss is None else loss], dtype=torch.float64)
+    def broadcast_loss(self, loss: torch.Tensor | float | None) -> float:
+        """The last stage's loss on every pipeline rank as a float (collective over the pipeline
+        group, on the CPU; a host synchronisation: for tests and tools, not the training step)."""
+        value = float("nan") if loss is None else loss
+        t = torch.as_tensor(value, dtype=torch.float64).reshape(1).cpu()
         if self.pp > 1:
             dist.broadcast(t, src=self.last_stage_rank, group=self.group)
         return float(t)

@@ -9,8 +9,13 @@ a uniformly wrong gradient scale in the losses (grads / n_microbatches moved the
 so the clipped-before grad norms are compared too, at 1e-4 (torch's fp32 ``vector_norm`` of a
 sharded 131k-element head gradient is off by ~3e-5 relative against float64), plus the final
 weights (1e-4) and eval losses before and after training (1e-5). Activation checkpointing rides
-along in two cases (selective under the split-backward V schedules is refused up front).
+along in two cases (selective under the split-backward V schedules is refused up front). The
+workers also count host synchronisations (a tensor read back as a Python number) inside
+``PipelineRunner.step`` after the first step (whose one-time shape exchange torch does with CPU
+object collectives): there must be none (the loss stays a tensor until the step's reduction).
 """
+
+import contextlib
 
 import dataclasses
 import datetime
@@ -184,6 +189,27 @@ def _reference(n_layers):
     return losses, norms, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+@contextlib.contextmanager
+def _count_host_syncs(counter: list):
+    """Count tensor -> Python number reads (``item``, ``tolist``, ``float``, ``int``, ``bool``) while open."""
+    names = ("item", "tolist", "__float__", "__int__", "__bool__", "__index__")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+
+    def spy(original):
+        def counted(self, *a, **k):
+            counter.append(original.__name__)
+            return original(self, *a, **k)
+        return counted
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, spy(original))
+    try:
+        yield counter
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
 def _worker(rank, world, init_file, out_dir, cases, fsdp):
     import torch.distributed as dist
 
@@ -219,13 +245,15 @@ def _worker(rank, world, init_file, out_dir, cases, fsdp):
             eval_batch = [t[:BATCH // dp] for t in batches[0]]
             # evaluate before training too (the trainer does): eval -> train -> eval mode switches
             initial_eval = runner.broadcast_loss(runner.eval_loss(*eval_batch))
-            losses, norms = [], []
-            for inputs, targets in batches:
+            losses, norms, syncs = [], [], []
+            for i, (inputs, targets) in enumerate(batches):
                 size = BATCH // dp // accum
                 loss = 0.0
                 for a in range(accum):
                     rows = slice((dp_rank * accum + a) * size, (dp_rank * accum + a + 1) * size)
-                    loss += runner.broadcast_loss(runner.step(inputs[rows], targets[rows], loss_scale=1 / accum))
+                    with _count_host_syncs(syncs) if i else contextlib.nullcontext():
+                        step_loss = runner.step(inputs[rows], targets[rows], loss_scale=1 / accum)
+                    loss += runner.broadcast_loss(step_loss)
                 loss /= accum
                 if fsdp:  # mean of the dp ranks' (equal-sized) batch means = the global mean
                     t = torch.tensor(loss, dtype=torch.float64)
@@ -240,7 +268,8 @@ def _worker(rank, world, init_file, out_dir, cases, fsdp):
             if rank == 0:
                 torch.save(state, os.path.join(out_dir, f"{name}.pt"))
             results[name] = {"losses": losses, "norms": norms, "eval": eval_loss, "initial_eval": initial_eval,
-                             "parts": [sorted(p.layers.keys()) for p in runner.model_parts]}
+                             "parts": [sorted(p.layers.keys()) for p in runner.model_parts], "syncs": syncs,
+                             "step_loss": None if step_loss is None else [str(step_loss.dtype), step_loss.dim()]}
         except Exception as e:  # report, and keep the other ranks from waiting on this one forever
             import traceback
 
@@ -301,6 +330,10 @@ def _check(name, n_layers, results, out, references, world):
             problems.append(f"{name} rank {r}: losses {got['losses']} vs {ref_losses} (max diff {loss_diff:.2e})")
         if norm_diff > 1e-4:
             problems.append(f"{name} rank {r}: grad norms {got['norms']} vs {ref_norms}")
+        if got["syncs"]:  # PipelineRunner.step read a tensor back to the host
+            problems.append(f"{name} rank {r}: host synchronisations inside PipelineRunner.step: {got['syncs']}")
+        if got["step_loss"] not in (None, ["torch.float64", 0]):  # a detached 0-d tensor (last stage), else None
+            problems.append(f"{name} rank {r}: PipelineRunner.step returned {got['step_loss']}")
         print(f"{name} rank {r}: max |loss diff| {loss_diff:.2e}, max |grad-norm diff| {norm_diff:.2e}, "
               f"stage layers {got['parts']}")
     state = torch.load(out / f"{name}.pt")

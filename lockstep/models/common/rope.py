@@ -100,6 +100,14 @@ class RotaryEmbedding(nn.Module):
             )
         return self.cos[positions], self.sin[positions]
 
+    def prefix(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[1, length, head_dim]`` of positions ``0..length-1`` -- ``forward(arange(length)[None])``
+        -- as views of the tables; the bound check reads an int, not a tensor, so a training
+        forward does not wait for the device here."""
+        if length > self.max_seq_len:
+            raise ValueError(f"position {length - 1} is beyond max_seq_len={self.max_seq_len}")
+        return self.cos[None, :length], self.sin[None, :length]
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2

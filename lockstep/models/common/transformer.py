@@ -161,9 +161,11 @@ class Transformer(nn.Module):
         ``cache`` (generation, :mod:`lockstep.generate`): ``tokens [B, T]`` are each sequence's new
         tokens at ``positions [B, T]``, and ``cache.layer(name)`` is handed to block ``name``.
         """
-        if positions is None:
+        if positions is None:  # 0..T-1: the tables' first rows (no bound check reading a tensor)
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
-        rope = self.rope(positions)
+            rope = self.rope.prefix(tokens.shape[1])
+        else:
+            rope = self.rope(positions)
         embeddings = self.tok_embeddings(tokens)
         h = embeddings
         if cache is None:
