@@ -61,8 +61,8 @@ class StepScalars:
                 if hasattr(value, "full_tensor"):  # a DTensor loss (loss_parallel): its replicated value
                     value = value.full_tensor()
                 v = value.to(device=self.device, dtype=torch.float64).reshape(())
-            else:
-                v = torch.tensor(float(value), dtype=torch.float64, device=self.device)
+            else:  # a fill, not a host-to-device copy (which would wait for the device)
+                v = torch.full((), float(value), dtype=torch.float64, device=self.device)
             if multiply_by is not None:
                 v = v * multiply_by
             if divide_by != 1:

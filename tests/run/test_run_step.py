@@ -30,9 +30,9 @@ def test_sums_match_python_float_accumulation_bitwise():
     assert scalars.reduce() == {}  # reduce resets
 
 
-def _trainer(tmp_path, grad_accum):
-    cfg = get_recipe("debug").config()
-    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / f"ga{grad_accum}"), steps=2)
+def _trainer(tmp_path, grad_accum, recipe="debug"):
+    cfg = get_recipe(recipe).config()
+    cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / f"{recipe}-ga{grad_accum}"), steps=2)
     cfg.training = dataclasses.replace(cfg.training, grad_accum=grad_accum, batch_size=2)
     cfg.output = dataclasses.replace(cfg.output, progress=False)
     return Trainer(cfg)
@@ -43,14 +43,15 @@ class _Counter:
         self.n = 0
 
 
-def test_one_reduce_per_step_and_host_syncs_do_not_grow_with_grad_accum(tmp_path, monkeypatch):
+@pytest.mark.parametrize("recipe", ["debug", "debug-moe"])  # MoE: its load metrics stay tensors too
+def test_one_reduce_per_step_and_host_syncs_do_not_grow_with_grad_accum(tmp_path, monkeypatch, recipe):
     reduces = _Counter()
 
     def all_reduce(tensor, op=None, group=None, async_op=False):  # world of one: the sum is the tensor
         reduces.n += 1
 
     syncs = _Counter()
-    for name in ("item", "tolist", "__float__"):
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
         original = getattr(torch.Tensor, name)
 
         def spy(self, *a, _original=original, **k):
@@ -61,7 +62,7 @@ def test_one_reduce_per_step_and_host_syncs_do_not_grow_with_grad_accum(tmp_path
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     counts = {}
     for grad_accum in (1, 4):
-        trainer = _trainer(tmp_path, grad_accum)
+        trainer = _trainer(tmp_path, grad_accum, recipe)
         # the reduction as in a distributed run (the collective spied on), everything else one process
         trainer.runtime.scalars = lambda t=trainer: StepScalars(t.runtime.device, distributed=True)
         batches = iter(trainer.data.train)
@@ -69,6 +70,8 @@ def test_one_reduce_per_step_and_host_syncs_do_not_grow_with_grad_accum(tmp_path
         out = trainer.train_step(1, batches)
         counts[grad_accum] = (reduces.n, syncs.n)
         assert out["loss"] > 0 and out["grad_norm"] > 0
+        if recipe == "debug-moe":  # the metrics reach the record, as numbers
+            assert isinstance(out["layers.1.feed_forward/load_max"], float) and out["layers.1.feed_forward/load_max"] > 0
     assert counts[1][0] == counts[4][0] == 1  # one all_reduce per step, not one per micro-batch
     assert counts[4][1] == counts[1][1], counts  # host syncs per step, not per micro-batch
 

@@ -291,17 +291,22 @@ class MoE(nn.Module):
             counts = self.reduce_counts(counts)
         balance_bias_update(self.e_score_correction_bias, counts, cfg.bias_update_speed)
 
-    def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | float]]:
         """Losses (``seq_aux_loss``, already weighted, when enabled in training) and metrics of the
         last forward: ``load_min`` / ``load_max`` (token assignments per expert, k per token),
         ``load_cv`` (std/mean of those; 0 = balanced), ``dropped_tokens`` (always 0: dropless), and
-        ``bias_absmax`` (largest selection bias) when aux-loss-free balancing is on. Clears them."""
+        ``bias_absmax`` (largest selection bias) when aux-loss-free balancing is on. Clears them.
+
+        The metrics are detached 0-d tensors on the model's device (``dropped_tokens`` a float):
+        nothing is read back to the host per forward; ``StepScalars`` turns a step's sums into
+        numbers once."""
         if self._stats is None:
             return {}, {}
-        lo, hi, cv = self._stats.tolist()
-        metrics = {"load_min": lo, "load_max": hi, "load_cv": cv, "dropped_tokens": 0.0}
+        lo, hi, cv = self._stats.unbind()
+        metrics: dict[str, torch.Tensor | float] = {"load_min": lo, "load_max": hi, "load_cv": cv,
+                                                   "dropped_tokens": 0.0}
         if self.config.bias_update_speed > 0:
-            metrics["bias_absmax"] = float(self.e_score_correction_bias.abs().max())
+            metrics["bias_absmax"] = self.e_score_correction_bias.detach().abs().max()
         losses, self._losses, self._stats = self._losses, {}, None
         return losses, metrics
 
