@@ -94,32 +94,15 @@ def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhtk,hkn->bhtn", x, weight)
 
 
-#: PyTorch's CPU elementwise kernels split a call across threads from this many elements on
-#: (``at::internal::GRAIN_SIZE``); a call of at most this many runs on one thread
-ELEMENTWISE_GRAIN = 32768
-
-
 def rowwise(fn, x: torch.Tensor, multiple: int = 64) -> torch.Tensor:
-    """``fn(x)`` for an elementwise transcendental (silu, sigmoid, exp, ...) over ``x [..., D]``.
-
-    PyTorch's CPU elementwise kernels run the last ``n % (2 * vector width)`` elements of each
-    thread's range through a scalar loop whose exp/sigmoid can differ from the vector code in the
-    last bit, so a row's bits depend on where it sits in the tensor: with a last dim that is not a
-    multiple of 32 (8 router scores, an FFN width of 40) and, in calls over ``ELEMENTWISE_GRAIN``
-    elements, at the boundary between two threads' ranges (measured: silu of ``[1001, 96]``). While
-    the switch is on, the last dim is padded to a multiple of ``multiple`` and ``fn`` runs on
-    pieces of ``ELEMENTWISE_GRAIN`` elements (each on one thread, all whole vectors), so every
-    element goes through the vector code; off, this is ``fn(x)``."""
+    """``fn(x)`` for an elementwise transcendental (silu, sigmoid, exp, ...) over ``x [..., D]``:
+    while the switch is on, :func:`lockstep.ops.batch_invariant.elementwise` (every element through
+    the same vector code, so a row's bits do not depend on its place); off, ``fn(x)``."""
     if not _BATCH_INVARIANT:
         return fn(x)
-    width = x.shape[-1]
-    pad = -width % multiple
-    flat = (torch.nn.functional.pad(x, (0, pad)) if pad else x).reshape(-1)
-    if flat.numel() <= ELEMENTWISE_GRAIN:
-        out = fn(flat)
-    else:
-        out = torch.cat([fn(piece) for piece in flat.split(ELEMENTWISE_GRAIN)])
-    return out.view(*x.shape[:-1], width + pad)[..., :width]
+    from lockstep.ops.batch_invariant import elementwise
+
+    return elementwise(fn, x, multiple)
 
 
 def thread_settings() -> dict:

@@ -48,6 +48,9 @@ ROW_TILE = 16
 HALF_ROW_TILE = 128
 ATTN_ROW_TILE = 16
 KV_CHUNK = 32
+#: PyTorch's CPU elementwise kernels split a call across threads from this many elements on
+#: (``at::internal::GRAIN_SIZE``); a call of at most this many runs on one thread
+ELEMENTWISE_GRAIN = 32768
 
 
 def row_tile(dtype: torch.dtype) -> int:
@@ -56,20 +59,19 @@ def row_tile(dtype: torch.dtype) -> int:
 
 
 def tiled_matmul(a: torch.Tensor, b: torch.Tensor, tile: int | None = None) -> torch.Tensor:
-    """``a [M, K] @ b [K, N]`` computed as fixed ``[tile, K] @ [K, N]`` products: one bmm of
-    tiles in fp32; in bf16/fp16 one ``mm`` per tile (oneDNN's bf16 bmm is several times slower
-    than its mm, and a fixed-shape mm is as invariant as a bmm entry)."""
+    """``a [M, K] @ b [K, N]`` computed as fixed ``[tile, K] @ [K, N]`` products, one ``mm`` per
+    tile: every library call has one shape, so one kernel and thread split. (Not one ``bmm`` over
+    the tiles: MKL's batched SGEMM runs a call of one entry otherwise than calls of several, other
+    bits from K = 1024 on this CPU and K = 192 on MKL's AVX2 path, so a decode step's lone tile
+    differed from the trainer's; and oneDNN's bf16 bmm is several times slower than its mm.)"""
     tile = tile or row_tile(a.dtype)
-    m, k = a.shape
+    m = a.shape[0]
     n_tiles = max(1, -(-m // tile))
     padded = F.pad(a, (0, 0, 0, n_tiles * tile - m)) if n_tiles * tile != m else a
-    if a.dtype in (torch.bfloat16, torch.float16):
-        out = a.new_empty(n_tiles * tile, b.shape[1])
-        for i in range(0, n_tiles * tile, tile):
-            torch.mm(padded[i:i + tile], b, out=out[i:i + tile])
-        return out[:m]
-    out = torch.bmm(padded.reshape(n_tiles, tile, k), b.expand(n_tiles, *b.shape))
-    return out.reshape(n_tiles * tile, b.shape[1])[:m]
+    out = a.new_empty(n_tiles * tile, b.shape[1])
+    for i in range(0, n_tiles * tile, tile):
+        torch.mm(padded[i:i + tile], b, out=out[i:i + tile])
+    return out[:m]
 
 
 def c_bf16_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -220,6 +222,38 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
     return tiled_attention_forward(q, k, v, q_positions, scale)
 
 
+def _bmm_entries(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.bmm`` of fixed-shape entries, never fewer than 2 in a call: MKL's batched SGEMM runs
+    a lone entry like a plain GEMM (its own thread split: other bits from K = 1024 on this CPU,
+    K = 192 on MKL's AVX2 path) and calls of 2 or more in parallel over entries, which give each
+    entry the same bits whatever their number and place (measured up to 21 entries, K <= 4096, on
+    both paths)."""
+    if a.shape[0] >= 2:
+        return torch.bmm(a, b)
+    return torch.bmm(torch.cat([a, a]), torch.cat([b, b]))[:1]
+
+
+def elementwise(fn, x: torch.Tensor, multiple: int = 64) -> torch.Tensor:
+    """``fn(x)`` for an elementwise transcendental (silu, sigmoid, exp, ...) over ``x [..., D]``,
+    every element computed by the same vector code whatever its place.
+
+    PyTorch's CPU elementwise kernels run the last ``n % (2 * vector width)`` elements of each
+    thread's range through a scalar loop whose exp/sigmoid can differ from the vector code in the
+    last bit, so a row's bits depend on where it sits in the tensor: with a last dim that is not a
+    multiple of 32 (8 router scores, an FFN width of 40) and, in calls over ``ELEMENTWISE_GRAIN``
+    elements, at the boundary between two threads' ranges (measured: silu of ``[1001, 96]``). Here
+    the last dim is padded to a multiple of ``multiple`` and ``fn`` runs on pieces of
+    ``ELEMENTWISE_GRAIN`` elements (each on one thread, all whole vectors)."""
+    width = x.shape[-1]
+    pad = -width % multiple
+    flat = (F.pad(x, (0, pad)) if pad else x).reshape(-1)
+    if flat.numel() <= ELEMENTWISE_GRAIN:
+        out = fn(flat)
+    else:
+        out = torch.cat([fn(piece) for piece in flat.split(ELEMENTWISE_GRAIN)])
+    return out.view(*x.shape[:-1], width + pad)[..., :width]
+
+
 def tiled_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
                      scale: float | None) -> torch.Tensor:
     bsz, heads, t, d = q.shape
@@ -238,15 +272,15 @@ def tiled_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
     values = F.pad(v.float(), (0, 0, 0, pad_keys)).reshape(bsz, kv_heads, 1, n_c, KV_CHUNK, dv)
     entries = bsz * kv_heads * n_q * n_c
     shape = (bsz, kv_heads, n_q, n_c)
-    scores = torch.bmm(rows.expand(*shape, ATTN_ROW_TILE, d).reshape(entries, ATTN_ROW_TILE, d),
-                       keys.expand(*shape, KV_CHUNK, d).reshape(entries, KV_CHUNK, d).transpose(1, 2))
+    scores = _bmm_entries(rows.expand(*shape, ATTN_ROW_TILE, d).reshape(entries, ATTN_ROW_TILE, d),
+                          keys.expand(*shape, KV_CHUNK, d).reshape(entries, KV_CHUNK, d).transpose(1, 2))
     scores = scores.reshape(*shape, ATTN_ROW_TILE, KV_CHUNK) * scale
     key_pos = torch.arange(n_c * KV_CHUNK, device=q.device).reshape(n_c, 1, KV_CHUNK)
     scores = scores.masked_fill(key_pos > pos, float("-inf"))
     peak = scores.amax(dim=(3, 5), keepdim=True)  # exact: max does not depend on order
-    probs = torch.exp(scores - peak)
-    partial = torch.bmm(probs.reshape(entries, ATTN_ROW_TILE, KV_CHUNK),
-                        values.expand(*shape, KV_CHUNK, dv).reshape(entries, KV_CHUNK, dv))
+    probs = elementwise(torch.exp, scores - peak, multiple=KV_CHUNK)  # fp32: 2 vectors of 16
+    partial = _bmm_entries(probs.reshape(entries, ATTN_ROW_TILE, KV_CHUNK),
+                           values.expand(*shape, KV_CHUNK, dv).reshape(entries, KV_CHUNK, dv))
     partial = partial.reshape(*shape, ATTN_ROW_TILE, dv)
     sums = probs.sum(-1)  # [B, Hkv, nq, nc, tile]
     out, total = partial[:, :, :, 0], sums[:, :, :, 0]
