@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
-from lockstep.parallel.launch import init_distributed, resolve_device
+from lockstep.parallel.launch import check_one_gpu_per_rank, init_distributed, resolve_device
 from lockstep.run.objective import LMObjective, Objective, lm_loss  # noqa: F401  (lm_loss: re-exported)
 from lockstep.run.step import StepLoss, StepScalars
 
@@ -77,6 +77,7 @@ class ParallelRuntime:
         process of the job must call this (group creation is collective) and those outside get None."""
         rank, world, dev = init_distributed(device)
         members = list(range(world)) if ranks is None else list(ranks)
+        check_one_gpu_per_rank(members, dev, "the trainer")  # its CUDA collectives (NCCL): one GPU per rank
         dims = config.resolve(len(members))
         group = None
         if len(members) == world:
@@ -217,7 +218,7 @@ class ParallelRuntime:
                 local = self.pipeline.step(inputs, targets, loss_scale=1.0 / accumulate)
             else:
                 local = self.pipeline.eval_loss(inputs, targets)
-        return StepLoss(None if local is None else torch.tensor(local, dtype=torch.float64))
+        return StepLoss(local)  # a detached float64 tensor on the device (None off the last stage)
 
     def scalars(self) -> StepScalars:
         """An accumulator of a step's scalars, reduced over this runtime's ranks in one collective."""

@@ -21,6 +21,7 @@ from lockstep.parallel.dims import ParallelConfig
 from lockstep.rl.losses import LossConfig
 from lockstep.rl.rollout import RolloutConfig
 from lockstep.run.config import SinkOutputs, validate_device
+from lockstep.train.config import require_batch_invariant_on_cpu
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
 #: what the loss's importance ratio divides by (see RLTrainingConfig.ratio_to)
@@ -220,6 +221,7 @@ class RLConfig(RunConfig):
         for name in ("model", "data", "task", "rollout", "engine", "loss", "optimizer", "lr_schedule", "training",
                      "sft", "workers", "parallel", "checkpoint", "numerics", "output"):
             getattr(self, name).validate(name)
+        require_batch_invariant_on_cpu(self.numerics, self.training.device)  # trainer and generators
         self._check_trainer_layout()
         require(self.lr_schedule.warmup_steps <= self.steps, "lr_schedule.warmup_steps",
                 f"must be <= steps={self.steps}, got {self.lr_schedule.warmup_steps}")

@@ -63,6 +63,8 @@ def create_layout(config: RLConfig, rank: int, world_size: int) -> RLLayout:
     if layout.runtime is not None:
         layout.trainer_group = layout.runtime.group
     head = [0, *range(t, world_size)]
-    layout.sync_group = dist.new_group(ranks=head, backend="gloo")  # CPU tensors: the model lives on the CPU
+    # gloo, CPU tensors: a CUDA model's weights are staged through host buffers (rl.transport), and a
+    # generator may share its GPU with trainer rank 0 (GPU = LOCAL_RANK % GPUs), where NCCL would refuse
+    layout.sync_group = dist.new_group(ranks=head, backend="gloo")
     layout.rollout_group = dist.new_group(ranks=head, backend="gloo")
     return layout

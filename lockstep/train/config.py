@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from lockstep.checkpoint.config import CheckpointConfig
-from lockstep.config.base import Config, require, require_choice, require_positive
+from lockstep.config.base import Config, ConfigError, require, require_choice, require_positive
 from lockstep.config.run import RunConfig
 from lockstep.data.config import DataConfig
 from lockstep.models.common.transformer import TransformerConfig
@@ -15,6 +15,23 @@ from lockstep.run.config import SinkOutputs, validate_device
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
 DTYPES = ["float32", "bfloat16"]
+
+
+def require_batch_invariant_on_cpu(numerics: NumericsConfig, device: str, device_field: str = "training.device") -> None:
+    """Refuse ``numerics.batch_invariant`` when ``device`` (auto|cpu|cuda) resolves to CUDA, naming both
+    fields, before any work: its kernels are CPU-only, as the engine's own check says at build time
+    (``generate.engine.check_batch_invariant_device``)."""
+    if not numerics.batch_invariant:
+        return
+    from lockstep.parallel.launch import resolve_device
+
+    device_type = resolve_device(device, device_field).type
+    if device_type != "cpu":
+        raise ConfigError(
+            f"numerics.batch_invariant: batch-invariant mode is CPU-only (its kernels fix a row's arithmetic "
+            f"order on the CPU; the {device_type} library GEMMs and reductions split sums by the batch shape), "
+            f"but {device_field}={device!r} resolves to {device_type}; set {device_field}=cpu, or "
+            "numerics.batch_invariant=false")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -128,6 +145,7 @@ class TrainerConfig(RunConfig):
         self.parallel.validate("parallel")
         self.checkpoint.validate("checkpoint")
         self.numerics.validate("numerics")
+        require_batch_invariant_on_cpu(self.numerics, self.training.device)
         if self.numerics.batch_invariant:
             require(self.parallel.tp == 1 and self.parallel.cp == 1 and self.parallel.pp == 1,
                     "numerics.batch_invariant", "is supported without tensor, context or pipeline parallelism "
