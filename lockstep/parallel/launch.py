@@ -50,20 +50,13 @@ def resolve_device(name: str = "auto", field: str = "training.device") -> torch.
     return torch.device(name)
 
 
-#: (host, GPU index) of every rank of the job, gathered once (see ``gpu_placement``)
-_PLACEMENT: list[tuple[str, int]] | None = None
-
-
 def gpu_placement(device: torch.device) -> list[tuple[str, int]]:
     """``(hostname, GPU index)`` of every rank of the default group, by global rank (index -1: not on
-    a GPU). Gathered once with an object collective (CPU, gloo): every process must call it."""
-    global _PLACEMENT
-    if _PLACEMENT is None:
-        mine = (socket.gethostname(), device.index if device.type == "cuda" else -1)
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
-        _PLACEMENT = [tuple(p) for p in everyone]
-    return _PLACEMENT
+    a GPU), with one object collective (CPU, gloo): every process must call it."""
+    mine = (socket.gethostname(), device.index if device.type == "cuda" else -1)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return [tuple(p) for p in everyone]
 
 
 def shared_gpu(placement: Sequence[tuple[str, int]], ranks: Sequence[int]) -> tuple[int, int, str, int] | None:
@@ -85,7 +78,7 @@ def check_one_gpu_per_rank(ranks: Sequence[int], device: torch.device, what: str
     """Refuse a group of ``ranks`` that needs NCCL (CUDA collectives) when two of them share a GPU,
     with a ConfigError naming ``field``. Every rank raises the same error (no rank is left waiting).
     A no-op off CUDA, for one rank and outside a process group; else collective over the default
-    group the first time (every process must call it)."""
+    group (every process must call it, with the same ``ranks``)."""
     if device.type != "cuda" or len(ranks) < 2 or not dist.is_initialized():
         return
     clash = shared_gpu(gpu_placement(device), ranks)
