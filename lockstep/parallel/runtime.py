@@ -117,6 +117,18 @@ class ParallelRuntime:
         if self.distributed:
             dist.barrier(group=self.group)
 
+    def shard_frozen(self, model: nn.Module, config: ParallelConfig) -> nn.Module:
+        """A frozen companion of the trained model (e.g. RL's KL reference) placed like it: on the
+        device, under the same plan (FSDP-sharded over the same mesh), in eval mode without
+        gradients; the runtime's own model, context and pipeline are left as they are. Layouts
+        that split the step (pp, cp) are refused: a companion would need a schedule of its own."""
+        from lockstep.parallel.parallelize import parallelize_dense
+
+        if self.dims.pp > 1 or self.dims.cp > 1:
+            raise ValueError("shard_frozen: a frozen companion model is not supported with pp > 1 or cp > 1")
+        model = parallelize_dense(model.to(self.device), self.dims, self.mesh, config, "none")
+        return model.eval().requires_grad_(False)
+
     def parallelize(self, model: nn.Module, config: ParallelConfig, activation_checkpoint: str = "none") -> nn.Module:
         """The model's plan applied for this layout (one process: activation checkpointing only).
 

@@ -73,10 +73,14 @@ class EpisodeRecord:
 class Learner:
     """Owns the policy's optimizer, schedule, loss and (when kl_coef > 0) the frozen reference."""
 
-    def __init__(self, config: RLConfig, model: nn.Module, runtime: ParallelRuntime | None = None) -> None:
+    def __init__(self, config: RLConfig, model: nn.Module, runtime: ParallelRuntime | None = None,
+                 reference: nn.Module | None = None) -> None:
         """``model``: the policy as ``runtime`` parallelized it (FSDP-sharded over its dp trainer
         ranks: each scores its share of a step's episodes and gradients average over them). Without
-        a runtime, a one-process one is made here (and the model moved to ``training.device``)."""
+        a runtime, a one-process one is made here (and the model moved to ``training.device``).
+        ``reference`` (used when ``loss.kl_coef > 0``): the frozen KL reference, placed like the
+        policy; by default a copy of ``model`` (a sharded model cannot be copied: FSDP refuses
+        ``deepcopy``, so a distributed caller copies the policy before sharding it)."""
         self.config = config
         if runtime is None:
             runtime = ParallelRuntime.local(config.training.device)
@@ -90,7 +94,11 @@ class Learner:
         self.loss = config.loss.build(max_response_length=self.max_response)
         self.reference = None
         if config.loss.kl_coef > 0:
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False)
+            if reference is None:
+                if runtime.distributed:
+                    raise ValueError("learner: a sharded policy needs its KL reference passed in (reference=)")
+                reference = copy.deepcopy(model)
+            self.reference = reference.eval().requires_grad_(False)
         self.objective = PolicyObjective(self.loss, reference=self.reference, ratio_to=config.training.ratio_to,
                                          dp=self.dp)
 

@@ -83,7 +83,7 @@ class PolicyObjective:
         ref = None
         if self.reference is not None:
             with torch.no_grad():
-                ref = pad_rows(self._score(self.reference, batch, full_forward=False), batch.width)
+                ref = pad_rows(self._score(self.reference, batch, full_forward=self.dp > 1), batch.width)
         gen = batch.generator_logp
         old = gen if self.ratio_to == "generator" else None
         loss, metrics = self.loss(logp, batch.mask, batch.advantages, old_logp=old, ref_logp=ref, generator_logp=gen,

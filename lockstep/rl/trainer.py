@@ -56,8 +56,11 @@ class RLTrainer:
         numerics.prepare_model(policy.model)  # before FSDP: it changes module classes
         # rank 0's unsharded copy: what generators receive and what evaluation generates with
         self.shadow = copy.deepcopy(policy.model) if runtime.distributed and self.main else policy.model
+        reference = None
+        if config.loss.kl_coef > 0 and runtime.distributed:  # copied before sharding: FSDP refuses deepcopy
+            reference = runtime.shard_frozen(copy.deepcopy(policy.model), config.parallel)
         self.model = runtime.parallelize(policy.model, config.parallel)  # FSDP2/HSDP over the trainer ranks
-        self.learner = Learner(run_config, self.model, runtime)
+        self.learner = Learner(run_config, self.model, runtime, reference=reference)
         self.env = run_config.task.build()
         self.engine = self.rollout = None
         if self.main:

@@ -198,9 +198,10 @@ def test_learner_drops_and_counts_over_stale_groups(tmp_path):
 @pytest.mark.slow
 def test_processes_fsdp_trainer_matches_one_trainer_process(tmp_path):
     """Trainer ranks 0-1 (FSDP2, dp_shard=2) + generator rank 2 vs trainer rank 0 + generator rank 1,
-    batch-invariant so both generators sample the same tokens. Tolerance: the two layouts sum the
-    gradient in a different order (reduce-scatter over 2 ranks), fp32 rounding ~1e-7 per step."""
-    flags = ["--steps", "3", "--numerics.batch-invariant", "--checkpoint.every", "2"]
+    batch-invariant so both generators sample the same tokens, with a KL term (the sharded trainer
+    shards its frozen reference like the policy; checkpointed with it). Tolerance: the two layouts sum
+    the gradient in a different order (reduce-scatter over 2 ranks), fp32 rounding ~1e-7 per step."""
+    flags = ["--steps", "3", "--numerics.batch-invariant", "--checkpoint.every", "2", "--loss.kl-coef", "0.05"]
     _cli(tmp_path / "one", *flags)
     _cli(tmp_path / "fsdp", *flags, "--parallel.dp-shard", "2", timeout=400)
     one, fsdp = step_records(tmp_path / "one" / "run"), step_records(tmp_path / "fsdp" / "run")
