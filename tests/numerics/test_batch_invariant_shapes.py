@@ -41,7 +41,7 @@ from lockstep.rl import score_logprobs
 FAMILIES = ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"]
 DTYPES = [torch.float32, torch.bfloat16]
 #: examples per (family, dtype); the subprocess runs at lower kernel paths ask for fewer
-EXAMPLES = int(os.environ.get("LOCKSTEP_TEST_SHAPE_EXAMPLES", "12"))
+EXAMPLES = int(os.environ.get("LOCKSTEP_TEST_SHAPE_EXAMPLES", "8"))
 
 
 @pytest.fixture(autouse=True)
@@ -254,7 +254,7 @@ LOWER_PATHS = {
 def test_drawn_shapes_at_lower_kernel_paths(path):
     """The drawn-shape test (fewer examples each) in a subprocess whose environment picks the path
     before torch loads (oneDNN and MKL read their caps once)."""
-    env = {**os.environ, **LOWER_PATHS[path], "LOCKSTEP_TEST_SHAPE_EXAMPLES": "4"}
+    env = {**os.environ, **LOWER_PATHS[path], "LOCKSTEP_TEST_SHAPE_EXAMPLES": "3"}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__,
                              "-k", "test_drawn_shapes_are_batch_invariant"],
                             env=env, capture_output=True, text=True, timeout=900)
