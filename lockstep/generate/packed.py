@@ -287,7 +287,10 @@ def pack_linears(model: nn.Module, batch_hint: int, kernel: str = "onednn") -> l
         raise ValueError(f"pack_linears: kernel must be one of {', '.join(_KERNEL_DTYPE)}; got {kernel!r}")
     layers = []
     for module in model.modules():
-        if type(module) in (nn.Linear, numerics.SwitchableLinear):
+        # a deep copy of a packed layer (an engine's bf16 shadow of a model another engine packed)
+        # carries the original's handle, kernel and packs: it is packed as a layer of its own
+        copied = isinstance(module, PackedLinear) and _LAYERS.get(module._pack_handle) is not module
+        if type(module) in (nn.Linear, numerics.SwitchableLinear) or copied:
             module.__class__ = PackedLinear
             module._pack_handle, module._pack_hint = next(_HANDLES), batch_hint
             module._pack_key = (module._pack_handle,)

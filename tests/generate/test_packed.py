@@ -313,3 +313,19 @@ def test_bitwise_claim_with_onednn_capped_below_amx():
                              "-k", "bitwise or llama3-onednn"],
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+
+
+def test_a_copy_of_a_packed_model_is_packed_as_its_own():
+    """An fp32 engine packs the model's own layers; a bf16 engine's shadow deep-copies them: the
+    copies get their own handles, kernel and packs (not the fp32 originals')."""
+    import copy
+
+    from lockstep.generate import packed
+
+    model = nn.Sequential(nn.Linear(64, 32))
+    pack_linears(model, batch_hint=4, kernel="onednn")
+    shadow = copy.deepcopy(model).to(torch.bfloat16)
+    [layer] = pack_linears(shadow, batch_hint=4, kernel="bf16")
+    assert layer is shadow[0] and layer._pack_kernel == "bf16" and not layer._packs
+    assert layer._pack_handle != model[0]._pack_handle and packed._LAYERS[layer._pack_handle] is layer
+    assert pack_linears(shadow, batch_hint=4, kernel="bf16")[0]._pack_handle == layer._pack_handle  # once
