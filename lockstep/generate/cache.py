@@ -188,9 +188,6 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for lc in self._layers.values() for p in lc.pools)
 
-    def blocks_for(self, n_tokens: int) -> int:
-        return -(-n_tokens // self.block_size)
-
     def layer(self, name: str) -> LayerCache:
         return self._layers[name]
 

@@ -70,11 +70,11 @@ def check_batch_invariant_device(device: torch.device, field: str = "engine.batc
 
 def _check_compilable(model: nn.Module) -> None:
     """Refuse what ``torch.compile`` cannot trace in the decode step, naming the module."""
-    from lockstep.models.common.moe import GroupedExperts, _resolve_impl
+    from lockstep.models.common.moe import GroupedExperts, resolve_impl
 
     for name, module in model.named_modules():
         if (isinstance(module, GroupedExperts) and module.w1.dtype != torch.bfloat16
-                and _resolve_impl(module.impl, module.w1.device) == "grouped_mm"):
+                and resolve_impl(module.impl, module.w1.device) == "grouped_mm"):
             raise ConfigError(
                 f"engine.compile_decode: {name} computes its experts with torch._grouped_mm in {module.w1.dtype}, "
                 f"which torch.compile cannot trace (its compile-time kernel takes bf16 only); use a bf16 model or "

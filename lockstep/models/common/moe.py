@@ -121,7 +121,8 @@ class MoEConfig(FeedForwardConfig):
         return MoE(self, dim, self.moe_ffn_dim or hidden_dim, init_std, out_init_std)
 
 
-def _resolve_impl(impl: str, device: torch.device) -> str:
+def resolve_impl(impl: str, device: torch.device) -> str:
+    """The expert implementation ``impl`` ("auto", "grouped_mm", "loop") means on ``device``."""
     if impl != "auto":
         return impl
     return "grouped_mm" if device.type == "cpu" and hasattr(torch, "_grouped_mm") else "loop"
@@ -170,7 +171,7 @@ class GroupedExperts(nn.Module):
         """``x [N, D]`` sorted by expert, ``counts [E]`` tokens per expert -> ``[N, D]``."""
         if numerics.is_batch_invariant():  # each expert's rows in fixed tiles (lockstep.ops.batch_invariant)
             return self._loop(x, counts, invariant_linear)
-        if _resolve_impl(self.impl, x.device) == "grouped_mm":
+        if resolve_impl(self.impl, x.device) == "grouped_mm":
             return self._grouped_mm(x, counts)
         return self._loop(x, counts)
 

@@ -179,7 +179,7 @@ class Transformer(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.output(self.trunk(tokens, positions)[2])
 
-    def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | float]]:
         """Auxiliary losses (already weighted, added to the training loss) and metrics that
         submodules recorded during the last forward, e.g. MoE load-balancing terms and expert load.
 

@@ -230,12 +230,13 @@ class DeepSeekV3Transformer(Transformer):
             out.append((self.output(h), tokens[:, k + 1:k + 1 + n]))
         return out
 
-    def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | float]]:
         losses, metrics = super().pop_auxiliary()
         if self._mtp_losses:
             depth = self.config.n_mtp  # DeepSeek-V3: lambda / D * sum_k L_k
             losses["mtp/loss"] = self.config.mtp_loss_weight * torch.stack(self._mtp_losses).sum() / depth
-            metrics.update({f"mtp/loss_{k}": float(v.detach()) for k, v in enumerate(self._mtp_losses, start=1)})
+            # tensors, not floats: the step reduces its scalars once (no host sync per micro-batch)
+            metrics.update({f"mtp/loss_{k}": v.detach() for k, v in enumerate(self._mtp_losses, start=1)})
         self._mtp_losses = []
         return losses, metrics
 

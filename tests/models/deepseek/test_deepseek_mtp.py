@@ -68,8 +68,8 @@ def test_mtp_layer_matches_transformers_mtp_model():
         logits = model(tokens)
         losses, metrics = model.pop_auxiliary()
     assert (logits - out.logits).abs().max().item() <= 1e-4
-    assert abs(metrics["mtp/loss_1"] - want_loss.item()) <= 1e-5
-    assert losses["mtp/loss"].item() == pytest.approx(0.5 * metrics["mtp/loss_1"], rel=1e-6)
+    assert abs(float(metrics["mtp/loss_1"]) - want_loss.item()) <= 1e-5
+    assert losses["mtp/loss"].item() == pytest.approx(0.5 * float(metrics["mtp/loss_1"]), rel=1e-6)
 
     written = adapter.state_to_hf(model.state_dict(), cfg)  # the MTP module is written back in that layout
     assert {n for n in written if n.startswith("model.layers.3.") and ".experts." not in n} == {
@@ -104,7 +104,7 @@ def test_mtp_loss_present_in_training_only_and_weighted_mean_over_depths():
     model(tokens)
     losses, metrics = model.pop_auxiliary()
     assert {"mtp/loss_1", "mtp/loss_2"} <= set(metrics)
-    mean = (metrics["mtp/loss_1"] + metrics["mtp/loss_2"]) / 2
+    mean = (float(metrics["mtp/loss_1"]) + float(metrics["mtp/loss_2"])) / 2
     assert losses["mtp/loss"].item() == pytest.approx(0.3 * mean, rel=1e-6)
     assert model.pop_auxiliary()[0] == {}  # popping clears
     model.eval()
@@ -175,8 +175,8 @@ def test_mtp_heads_learn_on_cpu():
         (main + sum(losses.values())).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        first = first or metrics["mtp/loss_1"]
-    assert metrics["mtp/loss_1"] < 0.6 * first
+        first = first or float(metrics["mtp/loss_1"])
+    assert float(metrics["mtp/loss_1"]) < 0.6 * first
 
 
 def test_hf_checkpoint_mtp_tensors_are_skipped_or_mapped_with_a_log_line(tmp_path, caplog):
