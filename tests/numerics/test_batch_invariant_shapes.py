@@ -216,6 +216,23 @@ def test_elementwise_gives_every_element_the_vector_code():
             torch.testing.assert_close(full, torch.nn.functional.silu(x), rtol=0, atol=1e-6)
 
 
+def test_head_matmul_values_gradients_and_autocast():
+    """The per-head projection is the einsum it replaces (fp32, another summation order), trains
+    (gradients to both inputs) and follows autocast as a linear does."""
+    from lockstep.ops.batch_invariant import head_matmul
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 7, 16, generator=g, requires_grad=True)
+    w = torch.randn(3, 16, 12, generator=g, requires_grad=True)
+    out, ref = head_matmul(x, w), torch.einsum("bhtk,hkn->bhtn", x, w)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    for got, want in zip(torch.autograd.grad(out.square().sum(), (x, w)),
+                         torch.autograd.grad(ref.square().sum(), (x, w))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)  # sums of ~100 products of O(10)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert head_matmul(x, w).dtype == torch.bfloat16
+
+
 def test_mla_head_projections_do_not_depend_on_the_token_count():
     """MLA's absorbed per-head projections at DeepSeek-V3's kv_lora_rank (512), one head: one row
     alone, and inside 1 and 300 rows. Before they ran one batched MKL SGEMM over (head, 16-row tile)
