@@ -15,14 +15,18 @@ log_softmax, RMSNorm) and elementwise ops do not. Two ways to make a row's bits 
   row-invariant by construction), its weight packed on every call (no cached copy to go stale)
   except in the engine's :class:`~lockstep.generate.packed.PackedLinear`, whose cached pack holds
   the very same bytes.
-* **Fixed-shape tiles** (everything else): a ``bmm`` whose every entry has the *same* shape gives
-  each row the same bits whatever the entry count, the row's place and its neighbours.
-  :func:`tiled_matmul`: rows padded to a multiple of ``row_tile(dtype)`` (16 in fp32, 128 in
-  bf16, where oneDNN is slow below that; bf16 runs one ``mm`` per tile) - linears without the C
-  kernels (no compiler, other devices), and MLA's :func:`head_matmul`.
-  :func:`tiled_attention_forward` (the attention fallback): keys in fixed chunks of ``KV_CHUNK``
-  positions, query rows in tiles of ``ATTN_ROW_TILE``, one bmm entry per (tile, chunk), the max
-  over every visible key, chunk partials summed in chunk order.
+* **Fixed-shape tiles** (without the C kernels: no compiler, other devices): a library call of
+  one fixed shape (an ``mm``, or a ``bmm`` of at least 2 entries of one shape) gives each row the
+  same bits whatever the number of calls or entries and the row's neighbours - on this CPU's MKL
+  path; on MKL's AVX2 path a row's bits also depend on its place in the tile, so the fallbacks are
+  not invariant there (docs/numerics.md). :func:`tiled_matmul`: rows padded to a multiple of
+  ``row_tile(dtype)`` (16 in fp32, 128 in bf16, where oneDNN is slow below that), one ``mm`` per
+  tile. :func:`tiled_attention_forward` (the attention fallback): keys in fixed chunks of
+  ``KV_CHUNK`` positions, query rows in tiles of ``ATTN_ROW_TILE``, one bmm entry per (tile,
+  chunk), the max over every visible key, chunk partials summed in chunk order.
+
+MLA's per-head projections (:func:`head_matmul`) are per head this module's :func:`linear`, and
+elementwise transcendentals go through :func:`elementwise` (whole vectors, one-thread pieces).
 
 Both make a query at position t get the same bits from a full-sequence forward (trainer, prefill)
 and from a KV-cache decode step. The two are not bitwise equal to each other; a process uses one

@@ -5,7 +5,8 @@ and lengths (hypothesis draws the batches). (2) The engine's log-probabilities, 
 samples (mixed prompt lengths, more requests than batch slots so sequences join and leave), equal
 ``score_logprobs`` of the finished sequences. Both with ``torch.equal``, fp32 and bf16, for a dense
 GQA (llama3), a q/k-norm (qwen3), a MoE (qwen3_moe) and an MLA + MoE (deepseek_v3) family. With the
-mode off the same comparisons differ, so these tests can fail.
+mode off the same comparisons differ, so these tests can fail. The same comparisons over drawn
+model shapes (and at lower kernel paths) are in ``test_batch_invariant_shapes.py``.
 """
 
 import pytest
