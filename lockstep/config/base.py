@@ -4,18 +4,24 @@ A component's ``Config`` is a plain, typed dataclass whose fields carry defaults
 (the ``#:`` comment or docstring convention tyro reads). ``build(...)`` turns it into the live object;
 structural sizes the parent knows (dims, world layout) are passed to ``build`` as keyword arguments,
 so a config stays small and replaceable. ``validate()`` checks values up front and raises
-:class:`ConfigError` naming the field.
+:class:`ConfigError` naming the field. Every float field must be finite (:func:`check_finite`); a field
+where ``inf`` means something ("no limit") opts in with ``dataclasses.field(metadata=ALLOW_INF)``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 
 class ConfigError(ValueError):
     """A configuration value is invalid. The message names the field and what is allowed."""
+
+
+#: field metadata of a float field where ``inf`` is meaningful (NaN is refused everywhere)
+ALLOW_INF = {"allow_inf": True}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -27,6 +33,7 @@ class Config:
 
     def validate(self, path: str = "") -> None:
         """Validate this config and every nested config, raising ConfigError naming the field."""
+        check_finite(self, path)
         for name, value in iter_children(self):
             value.validate(join_path(path, name))
 
@@ -55,6 +62,20 @@ def iter_children(config: Config) -> Iterator[tuple[str, Config]]:
             for i, item in enumerate(value):
                 if isinstance(item, Config):
                     yield f"{field.name}.{i}", item
+
+
+def check_finite(config: Config, path: str = "") -> None:
+    """Every float field of ``config`` and its nested configs is finite: a learning rate, temperature,
+    coefficient or epsilon of ``inf``/``nan`` would only turn into non-finite weights or samples later.
+    A field with :data:`ALLOW_INF` metadata may be ``inf`` (never ``nan``)."""
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            if not (math.isinf(value) and field.metadata.get("allow_inf")):
+                allowed = "a finite number or inf" if field.metadata.get("allow_inf") else "a finite number"
+                raise ConfigError(f"{join_path(path, field.name)}: must be {allowed}, got {value!r}")
+    for name, child in iter_children(config):
+        check_finite(child, join_path(path, name))
 
 
 def require(condition: bool, field: str, message: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lockstep.config.base import Config, require
+from lockstep.config.base import Config, check_finite, require
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -28,6 +28,7 @@ class RunConfig(Config):
     init_from: str = ""
 
     def validate_run(self) -> None:
+        check_finite(self)  # the whole tree: subclasses' validate() need not call Config.validate
         require(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
         require(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         require(0 <= self.stop_after <= self.steps, "stop_after", f"must be in [0, steps={self.steps}], "

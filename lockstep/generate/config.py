@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from lockstep.config.base import Config, require, require_choice, require_positive
+from lockstep.config.base import Config, check_finite, require, require_choice, require_positive
 
 if TYPE_CHECKING:
     from lockstep.generate.engine import Engine
@@ -111,6 +111,7 @@ class SamplingParams(Config):
     ignore_eos: bool = False
 
     def validate(self, path: str = "sampling") -> None:
+        check_finite(self, path)
         require(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, f"{path}.max_new_tokens",
                 f"must be an integer >= 1, got {self.max_new_tokens!r}")
         require(self.temperature >= 0, f"{path}.temperature", f"must be >= 0 (0 = greedy), got {self.temperature!r}")

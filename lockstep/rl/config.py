@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from lockstep.checkpoint.config import CheckpointConfig
-from lockstep.config.base import Config, ConfigError, require, require_choice
+from lockstep.config.base import ALLOW_INF, Config, ConfigError, require, require_choice
 from lockstep.config.run import RunConfig
 from lockstep.data.config import DataConfig
 from lockstep.generate.config import EngineConfig, SamplingParams
@@ -122,7 +122,7 @@ class RLTrainingConfig(Config):
     #: sequences per forward/backward (0 = the whole step's batch in one pass)
     micro_batch_size: int = 0
     #: clip the global gradient norm to this (0 disables)
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = dataclasses.field(default=1.0, metadata=ALLOW_INF)
     #: the importance ratio's denominator: "generator" (the logprobs recorded at sampling: the
     #: behaviour policy, so off-policy data is clipped like PPO) or "current" (the trainer's own,
     #: detached: ratio 1, the plain policy gradient; set loss.tis_cap to correct off-policy data)

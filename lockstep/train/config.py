@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from lockstep.checkpoint.config import CheckpointConfig
-from lockstep.config.base import Config, ConfigError, require, require_choice, require_positive
+from lockstep.config.base import ALLOW_INF, Config, ConfigError, require, require_choice, require_positive
 from lockstep.config.run import RunConfig
 from lockstep.data.config import DataConfig
 from lockstep.models.common.transformer import TransformerConfig
@@ -45,7 +45,7 @@ class TrainingConfig(Config):
     #: micro-batches accumulated per optimizer step
     grad_accum: int = 1
     #: clip the global gradient norm to this (0 disables clipping)
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = dataclasses.field(default=1.0, metadata=ALLOW_INF)
     #: compute dtype: "float32", or "bfloat16" (autocast; weights and optimizer stay fp32)
     dtype: str = "float32"
     #: torch intra-op threads; 0 keeps torch's default
