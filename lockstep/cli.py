@@ -17,6 +17,7 @@ import sys
 
 from lockstep.checkpoint.format import CheckpointError
 from lockstep.config.base import ConfigError, to_dict
+from lockstep.run.nonfinite import NonFiniteError
 
 
 def _train_parser() -> argparse.ArgumentParser:
@@ -254,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:
         print(f"lockstep: checkpoint error: {err}", file=sys.stderr)
         return 2
+    except NonFiniteError as err:
+        print(f"lockstep: training stopped: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ processes). It parallelizes a model with its family's plan (on ``device``), and 
   ``loss_parallel`` when tp > 1, timer stages, the backward); pipeline: ``PipelineRunner.step``;
 - ``loss(batch)``: the same forward without gradients (evaluation);
 - ``optimizer_step(optimizer, max_norm)``: gradient sync (cp, ep), clipping, the step, and the
-  model's ``after_optimizer_step`` hook;
+  model's ``after_optimizer_step`` hook (``clip_gradients`` + ``apply_step``/``drop_step``: its halves);
 - ``scalars()``: a :class:`~lockstep.run.step.StepScalars` reducing a step's scalars in one collective.
 
 This is the piece a graph-captured step replaces. A single process gets the same object with world 1.
@@ -239,15 +239,32 @@ class ParallelRuntime:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
         """Gradient sync (cp sums, ep scaling), clipping to ``max_norm`` (inf: none), the optimizer
-        step, ``zero_grad`` and the model's per-step hook; returns the norm before clipping (a tensor)."""
+        step, ``zero_grad`` and the model's per-step hook; returns the norm before clipping (a tensor).
+        :meth:`clip_gradients` then :meth:`apply_step` (or :meth:`drop_step`) are its two halves, for a
+        loop that decides between them (a non-finite step)."""
+        grad_norm = self.clip_gradients(max_norm)
+        self.apply_step(optimizer)
+        return grad_norm
+
+    def clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Gradient sync (cp sums, ep scaling) and clipping to ``max_norm`` (inf: none); returns the
+        global norm before clipping (a tensor, the same on every rank; no host read here)."""
         model = self.model
         self.sync_context_grads(model)
         self.after_backward(model)
-        grad_norm = self.clip_grad_norm(model, max_norm)
+        return self.clip_grad_norm(model, max_norm)
+
+    def apply_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step on the clipped gradients, ``zero_grad`` and the model's per-step hook."""
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.after_optimizer_step(model)
-        return grad_norm
+        self.after_optimizer_step(self.model)
+
+    def drop_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Discard this step's gradients without updating the weights or the optimizer state (the
+        model's per-step hook still runs, so its pending per-step state does not carry over)."""
+        optimizer.zero_grad(set_to_none=True)
+        self.after_optimizer_step(self.model)
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         """Once per optimizer step, outside any forward: the model's ``after_optimizer_step()`` (the

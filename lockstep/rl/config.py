@@ -21,6 +21,7 @@ from lockstep.parallel.dims import ParallelConfig
 from lockstep.rl.losses import LossConfig
 from lockstep.rl.rollout import RolloutConfig
 from lockstep.run.config import SinkOutputs, validate_device
+from lockstep.run.nonfinite import validate_nonfinite
 from lockstep.train.config import require_batch_invariant_on_cpu
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
@@ -131,6 +132,10 @@ class RLTrainingConfig(Config):
     threads: int = 0
     #: where the trainer's model and batches live: "auto" (CUDA when available), "cpu" or "cuda"
     device: str = "auto"
+    #: non-finite loss/grad norm: "stop" (nothing saved from it), "skip_step" (drop the update), "rollback" (newest checkpoint)
+    on_nonfinite: str = "stop"
+    #: rollbacks allowed per run before on_nonfinite=rollback stops
+    max_rollbacks: int = 3
 
     def validate(self, path: str = "training") -> None:
         require(self.micro_batch_size >= 0, f"{path}.micro_batch_size", f"must be >= 0, got {self.micro_batch_size}")
@@ -138,6 +143,7 @@ class RLTrainingConfig(Config):
         require_choice(self.ratio_to, RATIO_TO, f"{path}.ratio_to")
         require(self.threads >= 0, f"{path}.threads", f"must be >= 0, got {self.threads}")
         validate_device(self.device, f"{path}.device")
+        validate_nonfinite(self.on_nonfinite, self.max_rollbacks, path)
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -16,6 +16,7 @@ from lockstep.run.directory import (
     seed_everything,
     truncate_metrics,
 )
+from lockstep.run.nonfinite import NONFINITE_POLICIES, NonFiniteError, NonFiniteGuard
 from lockstep.run.manifest import COMMON_SECTIONS, run_manifest
 from lockstep.run.sinks import MetricsSink, RunLog, TensorBoardSink, WandbSink, scalars
 from lockstep.run.step import StepLoss, StepScalars
@@ -25,6 +26,9 @@ __all__ = [
     "CheckpointPolicy",
     "DEVICES",
     "MetricsSink",
+    "NONFINITE_POLICIES",
+    "NonFiniteError",
+    "NonFiniteGuard",
     "RankState",
     "RunLog",
     "SinkOutputs",

@@ -104,6 +104,18 @@ class CheckpointPolicy:
         return {"from_step": step, "storage": storage.describe(), "saved_world_size": meta.get("world_size"),
                 "world_size": self.world_size, **extra}
 
+    def rollback(self) -> tuple[int | None, list[dict]]:
+        """Reload model, optimizer (and extra modules) from the newest complete checkpoint, after any
+        in-flight save finished; the RNG and the workload's rank state (the loader position) are NOT
+        restored, so the run goes on past the batches it just saw. Returns (that step or None when
+        there is none, the records of the saves that finished meanwhile)."""
+        finished = self.records(wait=True)
+        step = self.checkpointer.latest_step()
+        if step is None:
+            return None, finished
+        step, _, _ = self.checkpointer.load(self.slots(), step)
+        return step, finished
+
     def due(self, step: int, last: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == last)
 

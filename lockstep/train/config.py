@@ -12,6 +12,7 @@ from lockstep.models.common.transformer import TransformerConfig
 from lockstep.numerics import NumericsConfig
 from lockstep.parallel.dims import ParallelConfig
 from lockstep.run.config import SinkOutputs, validate_device
+from lockstep.run.nonfinite import validate_nonfinite
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
 DTYPES = ["float32", "bfloat16"]
@@ -54,6 +55,10 @@ class TrainingConfig(Config):
     activation_checkpoint: str = "none"
     #: where the model, batches and autocast live: "auto" (CUDA when available), "cpu" or "cuda"
     device: str = "auto"
+    #: non-finite loss/grad norm: "stop" (nothing saved from it), "skip_step" (drop the update), "rollback" (newest checkpoint)
+    on_nonfinite: str = "stop"
+    #: rollbacks allowed per run before on_nonfinite=rollback stops
+    max_rollbacks: int = 3
 
     def validate(self, path: str = "training") -> None:
         require_positive(self.batch_size, f"{path}.batch_size")
@@ -64,6 +69,7 @@ class TrainingConfig(Config):
         require(self.threads >= 0, f"{path}.threads", f"must be >= 0, got {self.threads}")
         require_choice(self.activation_checkpoint, ["none", "full", "selective"], f"{path}.activation_checkpoint")
         validate_device(self.device, f"{path}.device")
+        validate_nonfinite(self.on_nonfinite, self.max_rollbacks, path)
 
 
 @dataclasses.dataclass(kw_only=True)

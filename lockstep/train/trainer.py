@@ -25,6 +25,7 @@ from lockstep.observe import RunManifest, StageTimer, mfu, peak_matmul_record, p
 from lockstep.parallel.runtime import ParallelRuntime, lm_loss  # noqa: F401  (lm_loss: re-exported)
 from lockstep.run import RunLog, agree_on_run_dir, save_weights, seed_everything
 from lockstep.run.manifest import model_kernels, run_manifest
+from lockstep.run.nonfinite import NonFiniteGuard, nonfinite_values
 from lockstep.train.config import TrainerConfig
 from lockstep.train.sample import greedy_continue
 
@@ -177,9 +178,17 @@ class Trainer:
                              divide_by=cfg.grad_accum)
         with self.timer.stage("optimizer"):
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-            grad_norm = self.runtime.optimizer_step(self.optimizer, max_norm)
-        out = scalars.reduce()
-        return {"loss": out.pop("loss"), "lr": lr, "grad_norm": float(grad_norm), **out}
+            grad_norm = self.runtime.clip_gradients(max_norm)
+        out = scalars.reduce()  # the step's one host synchronisation, before the update
+        record = {"loss": out.pop("loss"), "lr": lr, "grad_norm": float(grad_norm), **out}
+        bad = nonfinite_values(loss=record["loss"], grad_norm=record["grad_norm"])
+        with self.timer.stage("optimizer"):
+            if bad:  # never applied: the policy (``_fit``) decides what happens next
+                self.runtime.drop_step(self.optimizer)
+                record["nonfinite"] = bad
+            else:
+                self.runtime.apply_step(self.optimizer)
+        return record
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -221,9 +230,22 @@ class Trainer:
             if initial_val is not None:
                 log.write({"step": 0, "val_loss": initial_val})
             self.model.train()
-            for step in range(self.start_step + 1, last + 1):
+            guard = NonFiniteGuard(cfg.training.on_nonfinite, max_rollbacks=cfg.training.max_rollbacks,
+                                   rollback=lambda: self._rollback(log))
+            step = self.start_step
+            while step < last:
+                step += 1
                 started = time.perf_counter()
                 record = {"step": step, **self.train_step(step, batches)}
+                if "nonfinite" in record:  # the update was dropped; stop raises here
+                    restored = guard.handle(step, record.pop("nonfinite"), record)
+                    if restored is not None:  # rolled back: redo the steps after that checkpoint
+                        self.timer.pop()
+                        log.write({**record, **guard.record(), "nonfinite/rollback_to": restored})
+                        del losses[max(restored - self.start_step, 0):]
+                        step = restored
+                        continue
+                record.update(guard.record())
                 stages = self.timer.pop()
                 seconds = time.perf_counter() - started
                 tokens_per_s = self.tokens_per_step / seconds
@@ -249,6 +271,15 @@ class Trainer:
                         log.write({"step": step, **ckpt})
         bar.close()
         return self._finish(losses, val_losses)
+
+    def _rollback(self, log: RunLog) -> int | None:
+        """on_nonfinite=rollback: reload the newest checkpoint (None: there is none)."""
+        if self.checkpointing is None:
+            return None
+        step, finished = self.checkpointing.rollback()
+        for ckpt in finished:
+            log.write({"step": ckpt.get("checkpoint/step", 0), **ckpt})
+        return step
 
     def _finish(self, losses: list[float], val_losses: dict[int, float]) -> TrainResult:
         main = self.runtime.is_main
