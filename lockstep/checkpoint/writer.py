@@ -94,7 +94,10 @@ def commit(storage, plan: WritePlan, job: SaveJob, parent_alive=lambda: True) ->
 
 
 def prune(storage, keep: int, protect: int) -> None:
-    """Delete all but the ``keep`` newest complete checkpoints (never ``protect``)."""
+    """Delete all but the ``keep`` newest complete checkpoints (never ``protect``: the one just
+    published). The newest checkpoint is therefore never deleted, and since
+    :meth:`lockstep.run.CheckpointPolicy.save` refuses non-finite weights, it is a finite one: pruning
+    never deletes the last finite checkpoint (tests/train/test_nonfinite.py)."""
     if keep <= 0:
         return
     steps = sorted(s for s in complete_steps(storage) if s != protect)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from lockstep.checkpoint import Checkpointer
@@ -68,6 +71,8 @@ class CheckpointPolicy:
         self.checkpointer: Checkpointer = config.checkpoint.build(run_dir, rank=rank, world_size=world_size,
                                                                   group=group)
         self._slot_cache: dict | None = None
+        self.group = group
+        self._refused: list[dict] = []
         if self.every:
             self.checkpointer.prepare(self.slots())
 
@@ -119,18 +124,48 @@ class CheckpointPolicy:
     def due(self, step: int, last: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == last)
 
-    def save(self, step: int) -> None:
+    def nonfinite_slots(self) -> list[str]:
+        """The model/extra-module slots of this rank holding a non-finite value, agreed over the ranks
+        (any rank's finding counts for all). One fused norm per call: run at save time only."""
+        local = {k: getattr(slot.tensor, "_local_tensor", slot.tensor) for k, slot in self.slots().items()
+                 if not k.startswith("optimizer/")}
+        names = [k for k, t in local.items() if t.is_floating_point() and t.numel()]
+        tensors = [local[k].detach() for k in names]
+        if not tensors:
+            return []
+        norms = torch.stack(torch._foreach_norm(tensors))
+        bad = ~torch.isfinite(norms)
+        if self.world_size > 1:  # every rank must take the same save / refuse decision
+            flag = bad.any().to(torch.int32).reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+            if bool(flag) and not bool(bad.any()):
+                return ["(on another rank)"]
+        return [n for n, b in zip(names, bad.tolist()) if b]
+
+    def save(self, step: int) -> bool:
+        """Save ``step`` (in the background); refused -- with a warning and a ``checkpoint/refused_step``
+        record -- when a model weight is non-finite, so every published checkpoint is finite (and
+        pruning, which never deletes the newest one, keeps a finite checkpoint). True when saving."""
+        bad = self.nonfinite_slots()
+        if bad:
+            message = (f"checkpoint at step {step} not saved: non-finite values in {len(bad)} tensor(s) "
+                       f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            self._refused.append({"checkpoint/refused_step": step, "checkpoint/refused": message})
+            return False
         rank_state = {"rng": rng_state(), "optimizer_groups": optimizer_groups(self.model, self.optimizer),
                       **self.rank_state.save(step)}
         meta = {"family": self.config.model.family, "flavor": self.config.model.flavor, "step": step,
                 "world_size": self.world_size, "kind": self.kind,
                 "config": json.loads(json.dumps(to_dict(self.config)))}
         self.checkpointer.save(step, self.slots(), rank_state, meta)
+        return True
 
     def records(self, wait: bool = False) -> list[dict]:
         """The metrics records of saves finished since the last call (``wait``: of every save)."""
         done = self.checkpointer.wait() if wait else self.checkpointer.poll()
-        return [s.record() for s in done]
+        refused, self._refused = self._refused, []
+        return refused + [s.record() for s in done]
 
     def close(self, abandon: bool = False) -> list[dict]:
         return [s.record() for s in self.checkpointer.close(abandon=abandon)]

@@ -72,8 +72,16 @@ def seed_everything(seed: int) -> None:
 
 
 def save_weights(state: dict[str, torch.Tensor], path: Path, tied: bool) -> None:
-    """Write a state dict as safetensors (a tied head is stored once, under the embedding)."""
+    """Write a state dict as safetensors (a tied head is stored once, under the embedding). Non-finite
+    weights are refused (:class:`~lockstep.run.nonfinite.NonFiniteError` naming the tensors): a run
+    never leaves NaN/inf weights behind as its result."""
     state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
+    bad = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        from lockstep.run.nonfinite import NonFiniteError
+
+        raise NonFiniteError(f"{path} not written: non-finite values in {len(bad)} tensor(s) "
+                             f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})")
     if tied:
         state.pop("output.weight", None)
     save_file(state, str(path))

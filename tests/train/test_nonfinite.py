@@ -112,3 +112,28 @@ def test_stop_in_process_raises_naming_the_step(tmp_path):
     with pytest.raises(NonFiniteError, match=r"^step 1: non-finite grad_norm="):
         trainer.fit()
     assert not (tmp_path / "model.safetensors").exists()
+
+
+def test_a_non_finite_state_is_never_saved_and_pruning_keeps_the_last_finite_checkpoint(tmp_path):
+    """keep=2: after saves at steps 2 and 4, NaN weights at steps 6 and 8 are refused (warning + record);
+    steps 2 and 4 stay on disk, and the final weights are refused too."""
+    from lockstep.run.directory import save_weights
+
+    trainer = Trainer(_config(tmp_path, **{"checkpoint.keep": 2}))
+    policy = trainer.checkpointing
+    assert policy.save(2) and policy.save(4)
+    policy.records(wait=True)
+    weight = next(trainer.model.parameters())
+    with torch.no_grad():
+        weight[0, 0] = float("nan")
+    for step in (6, 8):
+        with pytest.warns(RuntimeWarning, match=f"checkpoint at step {step} not saved: non-finite"):
+            assert not policy.save(step)
+    refused = policy.records(wait=True)
+    assert [r["checkpoint/refused_step"] for r in refused] == [6, 8]
+    policy.close()
+    checkpoints = _checkpoints(tmp_path)
+    assert list(checkpoints) == [2, 4] and all(_all_finite(c) for c in checkpoints.values())
+    with pytest.raises(NonFiniteError, match="model.safetensors not written: non-finite values in 1 tensor"):
+        save_weights(dict(trainer.model.state_dict()), tmp_path / "model.safetensors", tied=False)
+    assert not (tmp_path / "model.safetensors").exists()
