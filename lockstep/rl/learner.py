@@ -10,7 +10,8 @@
    log-probabilities or the trainer's own, ``training.ratio_to``); the loss's denominator is the
    whole step's, so micro-batching does not change the loss; the step's scalars stay tensors until
    one reduction over the trainer ranks at the end (no host synchronisation per micro-batch);
-4. clip, AdamW step (``ParallelRuntime.optimizer_step``, as pretraining); ``logprob_diff/*``
+4. clip, AdamW step (``ParallelRuntime.clip_gradients`` + ``apply_step``, as pretraining; a
+   non-finite loss or grad norm drops the update, see ``lockstep.run.nonfinite``); ``logprob_diff/*``
    compares the generator's log-probabilities of every generated token with the trainer's, before
    the update.
 
@@ -35,6 +36,7 @@ from lockstep.rl.agreement import logprob_diff
 from lockstep.rl.config import RLConfig
 from lockstep.rl.objective import PolicyBatch, PolicyObjective, pad_rows
 from lockstep.rl.rollout import Episode
+from lockstep.run.nonfinite import nonfinite_values
 
 
 @dataclasses.dataclass
@@ -147,8 +149,15 @@ class Learner:
             for k, v in report.metrics.items():  # sums over micro-batches, the others weighted means
                 scalars.add({k: v}, multiply_by=1.0 if k in ("loss/pg_loss", "loss/n_tokens") else weight)
         max_norm = cfg.training.max_grad_norm if cfg.training.max_grad_norm > 0 else math.inf
-        grad_norm = float(self.runtime.optimizer_step(self.optimizer, max_norm))
+        grad_norm_t = self.runtime.clip_gradients(max_norm)
         sums = scalars.reduce(mean=False)  # the ranks' partial sums add up to the step's values
+        grad_norm = float(grad_norm_t)
+        # checked before the update (training.on_nonfinite): a non-finite step's update is never applied
+        bad = nonfinite_values(loss=sums.get("loss"), grad_norm=grad_norm)
+        if bad:
+            self.runtime.drop_step(self.optimizer)
+        else:
+            self.runtime.apply_step(self.optimizer)
         trainer_logp = [t.cpu() for t in trainer_logp]
         if self.dp > 1:
             trainer_logp = self._gather_logprobs(trainer_logp)
@@ -175,6 +184,8 @@ class Learner:
             **logprob_diff(gen_tokens, trainer_tokens),
         }
         out["loss/reward_mean"] = float(adv_metrics["reward_mean"])
+        if bad:
+            out["nonfinite"] = bad  # the trainer's NonFiniteGuard decides (and pops it)
         return out
 
     def _gather_logprobs(self, logp: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ from lockstep.rl.policy import Policy
 from lockstep.rl.rollout import Rollout
 from lockstep.rl.sft import evaluate, sft_warmup
 from lockstep.rl.transport import WeightSender, recv_object
-from lockstep.run import RunLog, agree_on_run_dir, save_weights
+from lockstep.run import NonFiniteGuard, RunLog, agree_on_run_dir, save_weights
 from lockstep.run.manifest import model_kernels, run_manifest
 
 
@@ -160,9 +160,16 @@ class RLTrainer:
                     self.sender.send()  # version `start`: the generators' first weights
             bar = writer.progress(self.last, cfg.recipe, cfg.output.progress)
             step_started = time.perf_counter()
+            guard = NonFiniteGuard(cfg.training.on_nonfinite, max_rollbacks=cfg.training.max_rollbacks,
+                                   rollback=lambda: self._rollback(writer))
             for step in range(self.start + 1, self.last + 1):
                 payload, waited = self._batch(step)
                 record = {"step": step, **self.learner.step(step, payload["records"], trainer_version=step - 1)}
+                if "nonfinite" in record:  # the update was dropped; stop raises here
+                    restored = guard.handle(step, record.pop("nonfinite"), record)
+                    if restored is not None:
+                        record["nonfinite/rollback_to"] = restored
+                record.update(guard.record())
                 self._refresh_shadow()
                 sync = self.sender.send() if self.sender is not None and step < self.last else {}
                 now = time.perf_counter()
@@ -198,6 +205,17 @@ class RLTrainer:
             return None
         self._finish(manifest, steps, evals)
         return RLResult(self.run_dir, steps, evals)
+
+    def _rollback(self, writer: RunLog) -> int | None:
+        """on_nonfinite=rollback: reload the newest checkpoint's weights and optimizer (None: there is
+        none). The step count and policy version go on (the generators' versions only increase); the
+        restored weights reach the generators with this step's weight sync."""
+        if self.checkpointing is None:
+            return None
+        restored, finished = self.checkpointing.rollback()
+        for ckpt in finished:
+            writer.write({"step": ckpt.get("checkpoint/step", 0), **ckpt})
+        return restored
 
     def _print_samples(self, step: int, records: list, bar: ProgressBar) -> None:
         for r in records[: self.config.output.print_samples]:

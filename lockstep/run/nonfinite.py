@@ -12,7 +12,9 @@ weights. Every rank takes the same decision (both values are global).
 - ``rollback``: drop the update, reload model and optimizer from the newest checkpoint and continue
   from its step; the data loader is NOT rewound, so the offending batches are skipped. Counted in
   ``nonfinite/rollbacks``; at most ``training.max_rollbacks`` per run, then it stops as ``stop`` does.
-  No checkpoint to go back to is a stop, too.
+  No checkpoint to go back to is a stop, too. RL (``lockstep.rl.trainer``) reloads the same way but
+  its step count and policy version go on (generators only see increasing versions): the restored
+  weights are the next version sent.
 """
 
 from __future__ import annotations
