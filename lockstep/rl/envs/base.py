@@ -26,7 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 #: or the last number in the text ("last_number")
 ANSWER_FORMATS = ["tags", "last_number"]
 
-_TAGGED = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_OPEN, _CLOSE = "<answer>", "</answer>"
 #: a signed integer, decimal or fraction, with optional thousands separators: -1,234.5  3/4  .5
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:/\d+)?")
 
@@ -100,12 +100,25 @@ def extract_answer(text: str, answer_format: str = "tags") -> str | None:
     number (integer, decimal or fraction, thousands separators removed).
     """
     if answer_format == "tags":
-        found = _TAGGED.findall(text)
-        return found[-1].strip() if found else None
+        return _last_tagged(text)
     if answer_format == "last_number":
         numbers = [m.group(0) for m in _NUMBER.finditer(text) if any(c.isdigit() for c in m.group(0))]
         return numbers[-1].replace(",", "") if numbers else None
     raise ValueError(f"answer_format: must be one of {ANSWER_FORMATS}, got {answer_format!r}")
+
+
+def _last_tagged(text: str) -> str | None:
+    """The content of the last ``<answer>...</answer>`` (as ``re.findall`` pairs them: each opener
+    with the first closer after it, scanning on after that closer), in one left-to-right pass.
+
+    A lazy regex is quadratic here: each of n unclosed openers scans to the end of the text."""
+    found, pos = None, 0
+    while (start := text.find(_OPEN, pos)) >= 0:
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:  # no closer after this opener: none after any later one either
+            break
+        found, pos = text[start + len(_OPEN):end], end + len(_CLOSE)
+    return found.strip() if found is not None else None
 
 
 def format_instruction(answer_format: str) -> str:

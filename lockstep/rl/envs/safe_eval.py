@@ -7,8 +7,19 @@ positional arguments. No names, attributes, subscripts, strings, comprehensions,
 arguments can be written, so an expression can reach no object but numbers and those functions.
 
 Limits (:class:`Limits`): the source length, the number of AST nodes, and the size of every integer
-result: each ``*``, ``**``, ``<<`` and ``factorial`` is refused *before* it runs when its result
-would exceed ``max_int_bits`` bits (float overflow is an error too), so time and memory stay small.
+(``max_int_bits``), so time and memory stay small. The audit of what can grow an integer:
+
+- refused *before* it runs when the result would be too large: ``*``, ``**`` (``int.__pow__``; there
+  is no ``pow()``, so no 3-argument form), ``<<``, ``factorial``; ``round(n, -k)`` of an integer
+  (Python computes ``10**k``): when ``10**k`` is over the limit the result is 0 (|n| < 10**k / 2),
+  returned without computing it;
+- checked after it runs, its cost being bounded by its (limited) arguments: ``+ -``, ``lcm``
+  (<= the product's bits), ``floor``/``ceil``/``round`` of a float (<= 1024 bits), integer literals;
+- cannot grow an integer: ``/`` (a float), ``// % >>``, ``abs``, ``min``, ``max``, ``gcd`` and the
+  float functions; float overflow is an error. Complex results (``(-8) ** 0.5``) are refused.
+- no strings or sequences exist, so no repetition and no ``int(str)``.
+
+Every integer any operation produces is checked against the limit (``bit_length`` is O(1)).
 ``lockstep.rl.envs.sandbox`` can also run this file as a separate process under a hard time limit
 and ``RLIMIT_AS`` memory limit (``python -I -S safe_eval.py`` reads ``{"expr", "limits",
 "memory_mb", "cpu_s"}`` JSON on stdin and writes ``{"ok", "value" | "error"}``); it imports only the
@@ -79,6 +90,8 @@ def parse_expression(source: str, limits: Limits = Limits()) -> ast.Expression:
         raise EvalError(f"expression too complex ({len(nodes)} > {limits.max_nodes} nodes)")
     for node in nodes:
         _check_node(node)
+        if isinstance(node, ast.Constant):
+            _check_result(node.value, limits, "the number")
     return tree
 
 
@@ -139,6 +152,27 @@ def _too_big(bits: float, limits: Limits, what: str) -> None:
         raise EvalError(f"result too large ({what} would have ~{int(bits)} bits > {limits.max_int_bits})")
 
 
+def _check_result(value: Any, limits: Limits, what: str) -> Any:
+    """``value`` when it is a real number within the integer size limit; EvalError otherwise."""
+    if isinstance(value, complex):
+        raise EvalError(f"math error: {what} is not a real number")
+    if isinstance(value, int):
+        _too_big(_bits(value), limits, what)
+    return value
+
+
+def _round_to_zero(args: list[Any], limits: Limits) -> bool:
+    """Whether ``round(n, ndigits)`` of an integer would compute ``10**-ndigits`` over the size
+    limit; its result is then 0 (every integer here is under the limit, so |n| < 10**-ndigits / 2)."""
+    if len(args) != 2 or not limits.max_int_bits or not all(isinstance(a, int) for a in args):
+        return False
+    # 10**k has over max_int_bits + 1 bits when k > (max_int_bits + 1) * log10(2) + 1
+    if -args[1] <= (limits.max_int_bits + 1) * math.log10(2) + 1:
+        return False
+    _too_big(_bits(args[0]), limits, "the rounded number")  # cannot fire: checked when it was made
+    return True
+
+
 def _eval(node: ast.expr, limits: Limits) -> int | float:
     if isinstance(node, ast.Constant):
         return node.value
@@ -147,7 +181,7 @@ def _eval(node: ast.expr, limits: Limits) -> int | float:
             raise EvalError(f"{node.id!r} is a function; call it: {node.id}(...)")
         return CONSTANTS[node.id]
     if isinstance(node, ast.UnaryOp):
-        return _UNARY[type(node.op)](_eval(node.operand, limits))
+        return _check_result(_UNARY[type(node.op)](_eval(node.operand, limits)), limits, "the result")
     if isinstance(node, ast.BinOp):
         a, b = _eval(node.left, limits), _eval(node.right, limits)
         op = type(node.op)
@@ -158,7 +192,7 @@ def _eval(node: ast.expr, limits: Limits) -> int | float:
             _too_big(b * math.log2(abs(a)), limits, "the power")
         elif op is ast.LShift and both_int and b > 0:
             _too_big(_bits(a) + b, limits, "the shift")
-        return _BINARY[op](a, b)
+        return _check_result(_BINARY[op](a, b), limits, "the result")
     if isinstance(node, ast.Call):
         name = node.func.id  # checked in parse_expression
         fn, arity = FUNCTIONS[name]
@@ -170,7 +204,9 @@ def _eval(node: ast.expr, limits: Limits) -> int | float:
         if name == "factorial" and isinstance(args[0], int) and args[0] > 2:
             n = args[0]
             _too_big(n * math.log2(n) - n * math.log2(math.e), limits, "the factorial")
-        return fn(*args)
+        if name == "round" and _round_to_zero(args, limits):
+            return 0
+        return _check_result(fn(*args), limits, f"{name}()")
     raise EvalError(f"{type(node).__name__} not allowed")  # unreachable after parse_expression
 
 
@@ -202,8 +238,12 @@ def _worker() -> None:
     import json
     import resource
     import sys
+    import unicodedata  # noqa: F401  (the parser imports it for non-ASCII names; no fds to load it later)
 
-    request = json.loads(sys.stdin.read())
+    try:
+        request = json.loads(sys.stdin.read())
+    except ValueError:
+        request = {}
     memory = int(request.get("memory_mb", 0)) * 2**20
     if memory:
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -218,6 +258,8 @@ def _worker() -> None:
         out = {"ok": False, "error": str(err)}
     except MemoryError:
         out = {"ok": False, "error": f"memory limit exceeded ({request.get('memory_mb')} MiB)"}
+    except Exception as err:  # noqa: BLE001  the model sees the kind only: messages may hold host paths
+        out = {"ok": False, "error": f"evaluation failed: internal error ({type(err).__name__})"}
     sys.stdout.write(json.dumps(out))
     sys.stdout.flush()
 

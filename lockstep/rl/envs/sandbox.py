@@ -15,7 +15,10 @@ The parent kills it after ``timeout_s`` of wall time. Cost: ~25 ms of process st
 process (microseconds) and relies on the whitelist and the size limits alone.
 
 Every failure (syntax, refused construct, math error, time or memory limit) is returned as an
-error message for the model, never raised.
+error message for the model, never raised. A crash of the evaluator reads "evaluation failed:
+<reason>" with a short reason, never its stderr (tracebacks name host paths). The child imports
+what the whitelisted functions and the parser may load lazily (``unicodedata``, for non-ASCII
+names) before it lowers its file-descriptor limit.
 """
 
 from __future__ import annotations
@@ -175,5 +178,5 @@ def _decode(returncode: int, stdout: str, stderr: str, config: SandboxConfig) ->
         return EvalResult(False, error=f"memory limit exceeded ({config.memory_mb} MiB)")
     if returncode < 0:  # killed by a signal: SIGXCPU / SIGKILL from RLIMIT_CPU
         return EvalResult(False, error=f"time limit exceeded ({config.timeout_s:g} s)")
-    last = stderr.strip().splitlines()[-1:] or [f"exit status {returncode}"]
-    return EvalResult(False, error=f"evaluator failed: {last[0][:200]}")
+    # never the stderr text itself: a traceback names host paths (the interpreter, this file)
+    return EvalResult(False, error=f"evaluation failed: the evaluator exited with status {returncode}")
