@@ -88,8 +88,13 @@ def level() -> str:
 
 
 def runnable() -> tuple[str, ...]:
-    """The levels this machine can run (what tests parametrize over)."""
-    return LEVELS[: LEVELS.index(detected()) + 1]
+    """The levels this process may run (what tests parametrize over): up to :func:`detected`,
+    capped by ``$LOCKSTEP_CPU_ISA`` (so a capped run of the suite behaves as on a CPU without the
+    higher levels)."""
+    top = detected()
+    if os.environ.get(ENV):
+        top = _cap(top, _parse(os.environ[ENV], ENV))
+    return LEVELS[: LEVELS.index(top) + 1]
 
 
 def at_least(name: str) -> bool:
