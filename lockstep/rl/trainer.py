@@ -161,7 +161,10 @@ class RLTrainer:
             bar = writer.progress(self.last, cfg.recipe, cfg.output.progress)
             step_started = time.perf_counter()
             guard = NonFiniteGuard(cfg.training.on_nonfinite, max_rollbacks=cfg.training.max_rollbacks,
-                                   rollback=lambda: self._rollback(writer))
+                                   # the step count and policy version go on after a rollback (generators'
+                                   # versions only increase); the restored weights go out with this step's sync
+                                   rollback=(lambda: self.checkpointing.rollback(writer)) if self.checkpointing
+                                   else None)
             for step in range(self.start + 1, self.last + 1):
                 payload, waited = self._batch(step)
                 record = {"step": step, **self.learner.step(step, payload["records"], trainer_version=step - 1)}
@@ -205,17 +208,6 @@ class RLTrainer:
             return None
         self._finish(manifest, steps, evals)
         return RLResult(self.run_dir, steps, evals)
-
-    def _rollback(self, writer: RunLog) -> int | None:
-        """on_nonfinite=rollback: reload the newest checkpoint's weights and optimizer (None: there is
-        none). The step count and policy version go on (the generators' versions only increase); the
-        restored weights reach the generators with this step's weight sync."""
-        if self.checkpointing is None:
-            return None
-        restored, finished = self.checkpointing.rollback()
-        for ckpt in finished:
-            writer.write({"step": ckpt.get("checkpoint/step", 0), **ckpt})
-        return restored
 
     def _print_samples(self, step: int, records: list, bar: ProgressBar) -> None:
         for r in records[: self.config.output.print_samples]:

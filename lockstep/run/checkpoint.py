@@ -109,17 +109,18 @@ class CheckpointPolicy:
         return {"from_step": step, "storage": storage.describe(), "saved_world_size": meta.get("world_size"),
                 "world_size": self.world_size, **extra}
 
-    def rollback(self) -> tuple[int | None, list[dict]]:
+    def rollback(self, log) -> int | None:
         """Reload model, optimizer (and extra modules) from the newest complete checkpoint, after any
-        in-flight save finished; the RNG and the workload's rank state (the loader position) are NOT
-        restored, so the run goes on past the batches it just saw. Returns (that step or None when
-        there is none, the records of the saves that finished meanwhile)."""
-        finished = self.records(wait=True)
+        in-flight save finished (its record goes to ``log``, a sink with ``write``); the RNG and the
+        workload's rank state (the loader position) are NOT restored, so the run goes on past the
+        batches it just saw. Returns that step, or None when there is none."""
+        for record in self.records(wait=True):
+            log.write({"step": record.get("checkpoint/step", 0), **record})
         step = self.checkpointer.latest_step()
         if step is None:
-            return None, finished
+            return None
         step, _, _ = self.checkpointer.load(self.slots(), step)
-        return step, finished
+        return step
 
     def due(self, step: int, last: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == last)

@@ -231,7 +231,7 @@ class Trainer:
                 log.write({"step": 0, "val_loss": initial_val})
             self.model.train()
             guard = NonFiniteGuard(cfg.training.on_nonfinite, max_rollbacks=cfg.training.max_rollbacks,
-                                   rollback=lambda: self._rollback(log))
+                                   rollback=(lambda: self.checkpointing.rollback(log)) if self.checkpointing else None)
             step = self.start_step
             while step < last:
                 step += 1
@@ -271,15 +271,6 @@ class Trainer:
                         log.write({"step": step, **ckpt})
         bar.close()
         return self._finish(losses, val_losses)
-
-    def _rollback(self, log: RunLog) -> int | None:
-        """on_nonfinite=rollback: reload the newest checkpoint (None: there is none)."""
-        if self.checkpointing is None:
-            return None
-        step, finished = self.checkpointing.rollback()
-        for ckpt in finished:
-            log.write({"step": ckpt.get("checkpoint/step", 0), **ckpt})
-        return step
 
     def _finish(self, losses: list[float], val_losses: dict[int, float]) -> TrainResult:
         main = self.runtime.is_main
