@@ -11,7 +11,6 @@ import dataclasses
 import importlib
 import types
 
-import torch
 
 from lockstep.config.base import Config, ConfigError, require_choice
 
@@ -22,9 +21,10 @@ DEVICES = ["auto", "cpu", "cuda"]
 def validate_device(value: str, path: str) -> None:
     """``value`` is one of :data:`DEVICES`, and CUDA is there when it is asked for by name."""
     require_choice(value, DEVICES, path)
-    if value == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"{path}: 'cuda' was asked for, but torch {torch.__version__} sees no CUDA device "
-                          f"(torch.cuda.is_available() is False); use 'auto' or 'cpu'")
+    if value == "cuda":
+        from lockstep.parallel.launch import resolve_device
+
+        resolve_device(value, path)  # its ConfigError when torch sees no GPU
 
 
 def import_wandb(path: str = "output.wandb") -> types.ModuleType:
