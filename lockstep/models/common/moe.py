@@ -55,6 +55,10 @@ class MoEConfig(FeedForwardConfig):
     moe_ffn_dim: int = 0
     #: shared experts, always applied, fused into one SwiGLU of hidden size moe_ffn_dim * n_shared_experts
     n_shared_experts: int = 0
+    #: hidden size of the fused shared-expert SwiGLU; 0 means moe_ffn_dim * n_shared_experts
+    shared_ffn_dim: int = 0
+    #: scale the shared experts' output by sigmoid(w . x) per token (Qwen2-MoE / Qwen3-Next / Qwen3.5)
+    shared_expert_gate: bool = False
     #: router affinity: "softmax" over experts (Qwen3-MoE) or per-expert "sigmoid" (DeepSeek-V3)
     score_func: str = "softmax"
     #: renormalise the chosen k weights to sum to 1 (before routed_scaling_factor)
@@ -86,6 +90,9 @@ class MoEConfig(FeedForwardConfig):
         )
         require(self.moe_ffn_dim >= 0, f"{p}moe_ffn_dim", f"must be >= 0, got {self.moe_ffn_dim}")
         require(self.n_shared_experts >= 0, f"{p}n_shared_experts", f"must be >= 0, got {self.n_shared_experts}")
+        require(self.shared_ffn_dim >= 0, f"{p}shared_ffn_dim", f"must be >= 0, got {self.shared_ffn_dim}")
+        require(not self.shared_expert_gate or self.n_shared_experts > 0, f"{p}shared_expert_gate",
+                "needs n_shared_experts > 0")
         require_choice(self.score_func, SCORE_FUNCS, f"{p}score_func")
         require_choice(self.routing, ROUTINGS, f"{p}routing")
         require_choice(self.experts_impl, EXPERT_IMPLS, f"{p}experts_impl")
@@ -214,7 +221,11 @@ class MoE(nn.Module):
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
         self.experts = GroupedExperts(self.n_experts, dim, hidden_dim, config.experts_impl, init_std, out_init_std)
         self.shared_experts = (
-            SwiGLU(dim, hidden_dim * config.n_shared_experts) if config.n_shared_experts else None
+            SwiGLU(dim, config.shared_ffn_dim or hidden_dim * config.n_shared_experts)
+            if config.n_shared_experts else None
+        )
+        self.shared_expert_gate = (
+            nn.Linear(dim, 1, bias=False) if config.n_shared_experts and config.shared_expert_gate else None
         )
         self._losses: dict[str, torch.Tensor] = {}
         self._stats: torch.Tensor | None = None
@@ -250,7 +261,10 @@ class MoE(nn.Module):
         routed = routed * weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
         out = torch.zeros_like(flat).index_add_(0, token, routed.to(flat.dtype))
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            shared = self.shared_experts(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
         self._record(counts, scores, indices, shape)
         return out.view(shape)
 
@@ -316,6 +330,8 @@ class MoE(nn.Module):
         analogue of a dense layer's parameter count for 6N FLOP estimates."""
         per_expert = self.experts.w1[0].numel() * 3
         shared = sum(p.numel() for p in self.shared_experts.parameters()) if self.shared_experts else 0
+        if self.shared_expert_gate is not None:
+            shared += self.shared_expert_gate.weight.numel()
         return self.gate.weight.numel() + self.top_k * per_expert + shared
 
 
