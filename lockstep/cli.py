@@ -17,6 +17,7 @@ import sys
 
 from lockstep.checkpoint.format import CheckpointError
 from lockstep.config.base import ConfigError, to_dict
+from lockstep.run.directory import FilesystemError
 from lockstep.run.nonfinite import NonFiniteError
 
 
@@ -25,7 +26,7 @@ def _train_parser() -> argparse.ArgumentParser:
         prog="lockstep train",
         description="Train a model from a named recipe. Any config field can be set with --a.b.c VALUE "
         "(see --help-fields).",
-        add_help=False,
+        add_help=False, allow_abbrev=False,  # else --resume would abbreviate --resume-from
     )
     parser.add_argument("--recipe", default="shakespeare", help="recipe name (see `lockstep recipes`)")
     parser.add_argument("--transform", action="append", default=[], metavar="NAME[=ARG]",
@@ -37,7 +38,24 @@ def _train_parser() -> argparse.ArgumentParser:
                         help="run as N local torchrun workers (gloo on CPU, NCCL on GPU)")
     parser.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
                         help="save a full-state checkpoint every N steps and at the end (= --checkpoint.every)")
+    add_resume_from_flag(parser)
     return add_meta_flags(parser)
+
+
+def add_resume_from_flag(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--resume-from STEP``: --resume from that step's checkpoint (= --resume --checkpoint.resume-from STEP)."""
+    parser.add_argument("--resume-from", type=int, default=None, metavar="STEP",
+                        help="resume from this step's checkpoint instead of the newest that verifies "
+                        "(= --resume --checkpoint.resume-from STEP; newer checkpoints are moved aside, not deleted)")
+    return parser
+
+
+def apply_resume_from(config, step: int | None):
+    """``config`` with ``--resume-from STEP`` applied (resume on, checkpoint.resume_from = STEP)."""
+    if step is None:
+        return config
+    return dataclasses.replace(config, resume=True,
+                               checkpoint=dataclasses.replace(config.checkpoint, resume_from=step))
 
 
 def add_meta_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -67,6 +85,7 @@ def resolve_config(argv: list[str]):
     if args.checkpoint_every is not None:
         config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint,
                                                                             every=args.checkpoint_every))
+    config = apply_resume_from(config, args.resume_from)
     model = config.model
     parsed = [parse_override(spec, bases=[model.attention, model.feed_forward, model.norm])
               for spec in args.override]
@@ -257,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except NonFiniteError as err:
         print(f"lockstep: training stopped: {err}", file=sys.stderr)
+        return 1
+    except FilesystemError as err:
+        print(f"lockstep: filesystem error: {err}", file=sys.stderr)
         return 1
 
 

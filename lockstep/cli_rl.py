@@ -16,19 +16,20 @@ from lockstep.config.base import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
-    from lockstep.cli import add_meta_flags
+    from lockstep.cli import add_meta_flags, add_resume_from_flag
 
     parser = argparse.ArgumentParser(
-        prog="lockstep rl", add_help=False,
+        prog="lockstep rl", add_help=False, allow_abbrev=False,
         description="RL post-training from a named RL recipe. Any config field can be set with --a.b.c VALUE "
         "(see --help-fields).")
     parser.add_argument("--recipe", default="rl-debug", help="RL recipe name (see `lockstep recipes`)")
+    add_resume_from_flag(parser)
     return add_meta_flags(parser)
 
 
 def resolve_rl_config(argv: list[str]):
     """The RLConfig ``lockstep rl argv`` would run, and the parsed meta-flags."""
-    from lockstep.cli import apply_field_flags
+    from lockstep.cli import apply_field_flags, apply_resume_from
     from lockstep.recipes import get_recipe
     from lockstep.rl.config import RLConfig
 
@@ -38,6 +39,7 @@ def resolve_rl_config(argv: list[str]):
         raise ConfigError(f"--recipe: {args.recipe!r} is a training recipe; run it with "
                           f"`lockstep train --recipe {args.recipe}` (RL recipes: `lockstep recipes`)")
     config = apply_field_flags(config, rest, help_fields=args.help_fields, command="rl")
+    config = apply_resume_from(config, args.resume_from)
     config.validate()
     return config, args
 

@@ -27,11 +27,13 @@ import torch
 import torch.distributed as dist
 
 from lockstep.checkpoint.dtypes import DTYPE_NAMES, SAFETENSORS_CODES
-from lockstep.checkpoint.format import INDEX, LATEST, CheckpointError, parse_step_dir, plan_shards
+from lockstep.checkpoint.format import INDEX, LATEST, CheckpointError, parse_step_dir, plan_shards, step_dir
 from lockstep.checkpoint.layout import Slot, owned_chunks
 from lockstep.checkpoint.shm import create_segment, remove_stale_segments
 from lockstep.checkpoint.storage import Storage
-from lockstep.checkpoint.writer import SaveJob, WritePlan, complete_steps, remove_incomplete, run_job, writer_main
+from lockstep.checkpoint.writer import (
+    SaveJob, WritePlan, complete_steps, recover_leftovers, run_job, set_aside, writer_main,
+)
 
 
 @dataclasses.dataclass
@@ -81,10 +83,12 @@ class Checkpointer:
         self._done: list[SaveStats] = []
         self._proc = None
         if rank == 0:
-            removed = remove_incomplete(storage)
+            removed, moved = reading(storage, "tidying interrupted saves", lambda: recover_leftovers(storage))
             if removed:
-                warnings.warn(f"checkpoint: removed incomplete saves {removed} from {storage.describe()}",
-                              stacklevel=2)
+                warnings.warn(f"checkpoint: removed incomplete saves {removed} from {storage.describe()} "
+                              "(staging directories that never got an index)", stacklevel=2)
+            for line in moved:
+                warnings.warn(f"checkpoint: moved aside, kept, not loaded: {line}", stacklevel=2)
         if mode == "process":
             stale = remove_stale_segments()
             if stale:
@@ -256,7 +260,15 @@ class Checkpointer:
     # -- loading ------------------------------------------------------------------------------
 
     def latest_step(self) -> int | None:
-        return latest_step(self.storage)
+        return reading(self.storage, "listing checkpoints", lambda: latest_step(self.storage))
+
+    def complete_steps(self) -> list[int]:
+        """Published checkpoints (with an index; not yet verified), oldest first."""
+        return reading(self.storage, "listing checkpoints", lambda: complete_steps(self.storage))
+
+    def set_aside(self, step: int, reason: str) -> str:
+        """Rank 0: move checkpoint ``step`` out of the way (kept; no longer loaded, counted or pruned)."""
+        return set_aside(self.storage, step_dir(step), reason)
 
     def load(self, slots: dict[str, Slot], step: int | None = None) -> tuple[int, dict, dict]:
         """Fill ``slots`` from checkpoint ``step`` (default: the latest complete one); returns
@@ -271,7 +283,8 @@ class Checkpointer:
             gathered: list = [None] * self.world_size
             dist.all_gather_object(gathered, sorted(slots), group=self.group)
             job_names = set().union(*gathered)
-        return load_into(self.storage, slots, step, self.rank, job_names)
+        return reading(self.storage, f"loading checkpoint step {step}",
+                       lambda: load_into(self.storage, slots, step, self.rank, job_names))
 
 
 _DTYPE_OF_CODE = {code: dt for dt, code in SAFETENSORS_CODES.items()}
@@ -304,6 +317,25 @@ def _index_table(tables: list[dict], files_of: dict[int, list]) -> dict[str, dic
             entry = out.setdefault(name, {"dtype": DTYPE_NAMES[dtype], "shape": list(global_shape), "chunks": []})
             entry["chunks"].append({"file": file_of[(r, name)], "offsets": list(offsets), "shape": list(shape)})
     return out
+
+
+class CheckpointAccessError(CheckpointError):
+    """The storage could not be read or written (permissions, I/O): not a damaged checkpoint, so no
+    reason to fall back to an older one (they are as unreadable)."""
+
+
+def reading(storage: Storage, what: str, fn):
+    """``fn()``, with an OS error (an unreadable directory or file) turned into a one-line
+    CheckpointAccessError naming the path and ``what`` was being done. A missing file is damage, not
+    access: a plain CheckpointError."""
+    try:
+        return fn()
+    except FileNotFoundError as err:
+        raise CheckpointError(f"{storage.describe()}: {what}: a file is missing: {err}") from None
+    except OSError as err:
+        reason = f"{err.strerror} (errno {err.errno})" if err.strerror else str(err)
+        where = err.filename if err.filename else storage.describe()
+        raise CheckpointAccessError(f"{where}: {what} in {storage.describe()} failed: {reason}") from None
 
 
 def latest_step(storage: Storage) -> int | None:

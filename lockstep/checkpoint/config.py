@@ -26,12 +26,17 @@ class CheckpointConfig(Config):
     max_file_mb: int = 1024
     #: rank 0 publishes a checkpoint only after every rank's part: give up after this many seconds
     commit_timeout_s: float = 600.0
+    #: with --resume: continue from this step's checkpoint (0 = the newest one that verifies); newer
+    #: checkpoints are moved into <storage>/set-aside/, not deleted (`lockstep train --resume-from STEP`)
+    resume_from: int = 0
 
     def validate(self, path: str = "checkpoint") -> None:
         require(self.every >= 0, f"{path}.every", f"must be >= 0, got {self.every}")
         require(self.keep >= 0, f"{path}.keep", f"must be >= 0, got {self.keep}")
         require_choice(self.mode, ["process", "sync"], f"{path}.mode")
         require(self.max_file_mb > 0, f"{path}.max_file_mb", f"must be > 0, got {self.max_file_mb}")
+        require(self.resume_from >= 0, f"{path}.resume_from", f"must be a step >= 1 (or 0: the newest), "
+                f"got {self.resume_from}")
         require(self.commit_timeout_s > 0, f"{path}.commit_timeout_s", f"must be > 0, got {self.commit_timeout_s}")
         require(self.storage == "" or self.storage.startswith("s3://") or "://" not in self.storage,
                 f"{path}.storage", f"must be a directory or s3://BUCKET/PREFIX, got {self.storage!r}")

@@ -20,12 +20,17 @@ import os
 import queue
 import time
 import traceback
+import uuid
 from multiprocessing import shared_memory
 
 from lockstep.checkpoint.format import (
     FORMAT, INDEX, LATEST, VERSION, CheckpointError, ShardFile, digest, file_chunks, parse_step_dir,
     rank_state_file, step_dir,
 )
+from lockstep.checkpoint.storage import LocalStorage
+
+#: the folder (under the storage root) holding what start-up or a resume moved out of the way
+ASIDE = "set-aside"
 
 
 @dataclasses.dataclass
@@ -55,11 +60,25 @@ def write_rank_part(storage, plan: WritePlan, job: SaveJob, buffer: memoryview) 
     for shard in plan.files:
         chunks = file_chunks(shard, buffer)
         sha, size = digest(chunks)
-        storage.put(f"{staging}/{shard.name}", chunks)
+        put(storage, f"{staging}/{shard.name}", chunks)
         files[shard.name] = {"sha256": sha, "bytes": size}
     state = json.dumps({"rank": plan.rank, "step": job.step, "files": files, "state": job.rank_state}).encode()
-    storage.put(f"{staging}/{rank_state_file(plan.rank)}", [state])
+    put(storage, f"{staging}/{rank_state_file(plan.rank)}", [state])
     return sum(f["bytes"] for f in files.values()) + len(state)
+
+
+def put(storage, key: str, chunks: list) -> None:
+    """``storage.put``, with an OS error (a full disk, a read-only or unwritable directory) turned into
+    a one-line CheckpointError naming the file and the operation."""
+    try:
+        storage.put(key, chunks)
+    except OSError as err:
+        raise CheckpointError(f"{storage.describe()}/{key}: writing the checkpoint file failed: "
+                              f"{_os_reason(err)}") from None
+
+
+def _os_reason(err: OSError) -> str:
+    return f"{err.strerror} (errno {err.errno})" if err.strerror else str(err)
 
 
 def commit(storage, plan: WritePlan, job: SaveJob, parent_alive=lambda: True) -> None:
@@ -87,9 +106,16 @@ def commit(storage, plan: WritePlan, job: SaveJob, parent_alive=lambda: True) ->
             time.sleep(0.02)
     index = {"format": FORMAT, "version": VERSION, "step": job.step, "world_size": plan.world_size,
              "metadata": job.metadata, "tensors": plan.tensors, "files": files}
-    storage.put(f"{staging}/{INDEX}", [json.dumps(index).encode()])
-    storage.publish(staging, final)
-    storage.put(LATEST, [final.encode()])
+    put(storage, f"{staging}/{INDEX}", [json.dumps(index).encode()])
+    try:
+        storage.publish(staging, final)
+    except OSError as err:
+        raise CheckpointError(f"{storage.describe()}/{staging}: publishing it as {final} failed: "
+                              f"{_os_reason(err)}") from None
+    try:  # published: the checkpoint is complete; a stale ``latest`` only costs a directory listing
+        storage.put(LATEST, [final.encode()])
+    except OSError:
+        pass
     prune(storage, plan.keep, protect=job.step)
 
 
@@ -115,24 +141,86 @@ def complete_steps(storage) -> list[int]:
     return sorted(out)
 
 
-def remove_incomplete(storage) -> list[str]:
-    """Delete staging leftovers of interrupted saves (rank 0, before the first save of a run)."""
-    removed = []
+def recover_leftovers(storage) -> tuple[list[str], list[str]]:
+    """Rank 0, before the first save of a run (fresh or resumed): tidy what interrupted saves left.
+
+    Returns (removed, moved): only the staging directories of saves that never reached their index
+    are removed (the writer's own scratch: never a checkpoint); everything else that could hold a
+    checkpoint -- a step directory without its index, a staged save with its index, a replaced copy
+    an interrupted publish left -- is moved into ``set-aside/`` (one line each in ``moved``)."""
+    removed, moved = [], []
+    staging_is_final = storage.staging_prefix("x") == "x"  # S3: an index-less step dir is the staging
     for name in storage.list_dir(""):
-        if name.endswith(".partial") or name.startswith(".step-") or (
-                parse_step_dir(name) is not None and not storage.exists(f"{name}/{INDEX}")):
+        has_index = storage.exists(f"{name}/{INDEX}")
+        if name.endswith(".partial") and not has_index:
             storage.delete_tree(name)
             removed.append(name)
-    return removed
+        elif name.endswith(".partial") or name.startswith(".step-"):
+            moved.append(f"{name} (a saved but unpublished checkpoint) -> {set_aside(storage, name, 'unpublished')}")
+        elif parse_step_dir(name) is not None and not has_index:
+            what = "an interrupted save" if staging_is_final else "damaged, or an interrupted save"
+            moved.append(f"{name} has no {INDEX} ({what}) -> {set_aside(storage, name, 'incomplete')}")
+    return removed, moved
+
+
+def set_aside(storage, name: str, reason: str) -> str:
+    """Move the top-level entry ``name`` to ``set-aside/<name>.<reason>-<UTC time>`` (never a name a
+    step directory parses as, so it is not loaded, counted or pruned); returns where it went.
+
+    On a filesystem it is a rename; on an object store each object is copied, then the originals
+    deleted (a crash in between leaves both copies, never neither)."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = f"{ASIDE}/{name.lstrip('.')}.{reason}-{stamp}"
+    if storage.exists(dest):
+        dest += f"-{uuid.uuid4().hex[:6]}"
+    if isinstance(storage, LocalStorage):
+        (storage.root / ASIDE).mkdir(exist_ok=True)
+        os.replace(storage.root / name, storage.root / dest)
+        _fsync_dir(storage.root)
+    else:
+        _copy_tree(storage, name, dest)
+        storage.delete_tree(name)
+    return f"{storage.describe()}/{dest}"
+
+
+def _copy_tree(storage, src: str, dst: str) -> None:
+    names = storage.list_dir(src)
+    if not names:  # a single object
+        storage.put(dst, [storage.get(src)])
+    for name in names:
+        _copy_tree(storage, f"{src}/{name}", f"{dst}/{name}")
+
+
+def _fsync_dir(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def run_job(storage, plan: WritePlan, job: SaveJob, buffer: memoryview, parent_alive=lambda: True) -> dict:
     started = time.perf_counter()
-    nbytes = write_rank_part(storage, plan, job, buffer)
-    if plan.rank == 0:
-        commit(storage, plan, job, parent_alive)
+    try:
+        nbytes = write_rank_part(storage, plan, job, buffer)
+        if plan.rank == 0:
+            commit(storage, plan, job, parent_alive)
+    except CheckpointError:
+        _drop_failed_staging(storage, job.step)
+        raise
     seconds = time.perf_counter() - started
     return {"step": job.step, "write_s": seconds, "bytes": nbytes}
+
+
+def _drop_failed_staging(storage, step: int) -> None:
+    """A failed save's staging directory, unless it got its index (then start-up sets it aside): its
+    files are never a checkpoint, and on a full disk they hold the space the next save needs."""
+    staging = storage.staging_prefix(step_dir(step))
+    try:  # on S3 staging is the final prefix: one with an index is complete (an earlier save's)
+        if not storage.exists(f"{staging}/{INDEX}"):
+            storage.delete_tree(staging)
+    except OSError:
+        pass  # start-up removes it
 
 
 def attach_shared(name: str) -> shared_memory.SharedMemory:

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.checkpoint import Checkpointer
+from lockstep.checkpoint.checkpointer import CheckpointAccessError
+from lockstep.checkpoint.format import CheckpointError
 from lockstep.checkpoint.reader import read_index
 from lockstep.checkpoint.train_state import (
     ensure_optimizer_state, model_slots, optimizer_groups, optimizer_slots, rng_state, set_rng_state,
@@ -38,6 +40,10 @@ def config_changes(saved: dict, current: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{key}")
     return out
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if steps else "none"
 
 
 def _resumable(change: str, allowed: Sequence[str]) -> bool:
@@ -73,6 +79,9 @@ class CheckpointPolicy:
         self._slot_cache: dict | None = None
         self.group = group
         self._refused: list[dict] = []
+        #: the newest save this run attempted, and the error of each failed one (a full disk, ...)
+        self._last_save: int | None = None
+        self._failed: dict[int, str] = {}
         if self.every:
             self.checkpointer.prepare(self.slots())
 
@@ -92,22 +101,96 @@ class CheckpointPolicy:
                 "storage": self.checkpointer.storage.describe(), "slots": ["model", "optimizer", *self.extra_modules]}
 
     def resume(self) -> dict:
-        """Load the latest checkpoint into the slots, RNG and the workload's rank state; returns what
-        the manifest records (``from_step`` included). A config change outside ``resumable`` is a
-        ConfigError, raised before any tensor is touched."""
+        """Load the newest checkpoint that verifies (or ``checkpoint.resume_from``) into the slots, RNG
+        and the workload's rank state; returns what the manifest records (``from_step``; ``skipped``:
+        the newer checkpoints that failed verification, each with its reason and where it was moved).
+
+        A checkpoint that fails (a bad index, a missing or corrupt shard) is skipped for the next older
+        one, which is loaded completely -- every slot is written again, then RNG and rank state -- so a
+        failed partial load leaves nothing of itself behind. Skipped (and, with ``resume_from``, newer)
+        checkpoints are then moved into ``set-aside/`` by rank 0: kept, but no longer counted, pruned,
+        or mixed with this run's saves. A config change outside ``resumable`` is a ConfigError, raised
+        before the first tensor is touched; an unreadable storage (permissions) is a one-line
+        CheckpointError, not a reason to fall back."""
         storage = self.checkpointer.storage
-        step = self.checkpointer.latest_step()
-        saved = read_index(storage, step).get("metadata", {}).get("config", {})
-        changes = [c for c in config_changes(saved, to_dict(self.config)) if not _resumable(c, self.resumable)]
-        if changes:  # a changed model would otherwise only list mismatched shapes
-            raise ConfigError(f"resume: the checkpoint at step {step} in {storage.describe()} was made with a "
-                              f"different config: {', '.join(changes)} changed (only "
-                              f"{', '.join(self.resumable)} may change)")
-        step, state, meta = self.checkpointer.load(self.slots(), step)
+        available = self.checkpointer.complete_steps()
+        wanted = self.config.checkpoint.resume_from
+        if wanted:
+            if wanted not in available:
+                raise CheckpointError(f"checkpoint.resume_from: no complete checkpoint at step {wanted} in "
+                                      f"{storage.describe()}; available: {_steps(available)}")
+            candidates = [wanted]
+        else:
+            candidates = available[::-1]
+            if not candidates:
+                raise CheckpointError(f"resume: no complete checkpoint in {storage.describe()}")
+        skipped: list[dict] = []
+        for step in candidates:
+            error, loaded = self._try_load(step)
+            error = self._agreed(error)
+            if error is None:
+                break
+            if wanted:
+                raise CheckpointError(f"checkpoint.resume_from: the step {wanted} checkpoint in {storage.describe()} "
+                                      f"failed verification: {error} (available: {_steps(available)})")
+            skipped.append({"step": step, "reason": error})
+        else:
+            reasons = "; ".join(f"step {s['step']}: {s['reason']}" for s in skipped)
+            raise CheckpointError(f"resume: no checkpoint in {storage.describe()} verifies ({reasons})")
+        step, state, meta = loaded
         set_rng_state(state["rng"])
         extra = self.rank_state.load(state)
+        moved = self._set_aside_newer(step, available, skipped)
         return {"from_step": step, "storage": storage.describe(), "saved_world_size": meta.get("world_size"),
-                "world_size": self.world_size, **extra}
+                "world_size": self.world_size, **({"skipped": skipped} if skipped else {}),
+                **({"set_aside": moved} if moved else {}), **extra}
+
+    def _try_load(self, step: int) -> tuple[str | None, tuple | None]:
+        """Check the config of checkpoint ``step`` and load its tensors: (None, what ``load`` returned),
+        or (why it failed -- its first line --, None) when it does not verify. ConfigError and access
+        errors propagate."""
+        storage = self.checkpointer.storage
+        try:
+            saved = read_index(storage, step).get("metadata", {}).get("config", {})
+            changes = [c for c in config_changes(saved, to_dict(self.config)) if not _resumable(c, self.resumable)]
+            if changes:  # a changed model would otherwise only list mismatched shapes
+                raise ConfigError(f"resume: the checkpoint at step {step} in {storage.describe()} was made with a "
+                                  f"different config: {', '.join(changes)} changed (only "
+                                  f"{', '.join(self.resumable)} may change)")
+            return None, self.checkpointer.load(self.slots(), step)
+        except CheckpointAccessError:
+            raise
+        except CheckpointError as err:
+            return str(err).splitlines()[0], None
+
+    def _agreed(self, error: str | None) -> str | None:
+        """Every rank's verdict on one checkpoint: a failure on any rank (its shards) fails it for all."""
+        if self.world_size == 1:
+            return error
+        errors: list = [None] * self.world_size
+        dist.all_gather_object(errors, error, group=self.group)
+        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        return "; ".join(failed) if failed else None
+
+    def _set_aside_newer(self, step: int, available: list[int], skipped: list[dict]) -> list[str]:
+        """Rank 0 moves every checkpoint newer than the one resumed from out of the way: those that
+        failed verification and, with ``resume_from``, the newer good ones, which this run's saves
+        would otherwise replace or be mixed with. One warning line each."""
+        reasons = {s["step"]: s["reason"] for s in skipped}
+        moved = []
+        for newer in (s for s in available if s > step):
+            if self.checkpointer.rank != 0:
+                continue
+            kind = "corrupt" if newer in reasons else "superseded"
+            where = self.checkpointer.set_aside(newer, kind)
+            why = (f"failed verification ({reasons[newer]})" if newer in reasons
+                   else f"is newer than checkpoint.resume_from={step}")
+            warnings.warn(f"checkpoint: step {newer} {why}; moved to {where} (kept, not loaded or pruned); "
+                          f"resuming from step {step}", stacklevel=3)
+            moved.append(where)
+        if self.world_size > 1:  # nobody saves before rank 0 has moved them
+            dist.barrier(group=self.group)
+        return moved
 
     def rollback(self, log) -> int | None:
         """Reload model, optimizer (and extra modules) from the newest complete checkpoint, after any
@@ -159,6 +242,7 @@ class CheckpointPolicy:
         meta = {"family": self.config.model.family, "flavor": self.config.model.flavor, "step": step,
                 "world_size": self.world_size, "kind": self.kind,
                 "config": json.loads(json.dumps(to_dict(self.config)))}
+        self._last_save = step
         self.checkpointer.save(step, self.slots(), rank_state, meta)
         return True
 
@@ -166,7 +250,21 @@ class CheckpointPolicy:
         """The metrics records of saves finished since the last call (``wait``: of every save)."""
         done = self.checkpointer.wait() if wait else self.checkpointer.poll()
         refused, self._refused = self._refused, []
+        self._failed.update({s.step: s.error for s in done if s.error})
         return refused + [s.record() for s in done]
 
     def close(self, abandon: bool = False) -> list[dict]:
-        return [s.record() for s in self.checkpointer.close(abandon=abandon)]
+        """Finish (or abandon) the save in flight and stop the writer. A failed save is reported when it
+        happens (a warning, a ``checkpoint/error`` record) and training goes on -- the next save may
+        succeed -- but when the run's LAST save failed (a full disk), it ends with a CheckpointError:
+        a run never exits as a success without its final checkpoint."""
+        done = self.checkpointer.close(abandon=abandon)
+        self._failed.update({s.step: s.error for s in done if s.error})
+        last = self._last_save
+        if not abandon and last is not None and last in self._failed:
+            newest = self.checkpointer.latest_step()
+            raise CheckpointError(f"the final checkpoint (step {last}) was not saved: {self._failed[last]}; "
+                                  f"the newest saved checkpoint is "
+                                  f"{'step ' + str(newest) if newest is not None else 'none'} "
+                                  f"in {self.checkpointer.storage.describe()}")
+        return [s.record() for s in done]

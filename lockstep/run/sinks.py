@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from lockstep.observe import MetricsWriter, ProgressBar
 from lockstep.run.config import SinkOutputs, import_wandb
-from lockstep.run.directory import truncate_metrics
+from lockstep.run.directory import FilesystemError, os_reason, truncate_metrics
 
 
 class MetricsSink(Protocol):
@@ -80,9 +80,12 @@ class RunLog:
                  resume_step: int | None = None, recipe: dict | None = None) -> None:
         self.run_dir, self.main = Path(run_dir), main
         self.path = self.run_dir / ("metrics.jsonl" if main else f"logs/rank{rank}.jsonl")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.kept: list[dict] = truncate_metrics(self.path, resume_step) if resume_step is not None else []
-        self.jsonl = MetricsWriter(self.path)
+        try:
+            self.jsonl = MetricsWriter(self.path)
+        except OSError as err:
+            raise FilesystemError(f"{err.filename or self.path}: opening the metrics file failed: "
+                                  f"{os_reason(err)}") from None
         self.sinks: list[MetricsSink] = []
         if main and output.tensorboard:
             self.sinks.append(TensorBoardSink(self.run_dir / "tensorboard",
@@ -91,7 +94,10 @@ class RunLog:
             self.sinks.append(WandbSink(self.run_dir, output.wandb_project, recipe, resume=resume_step is not None))
 
     def write(self, record: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
-        clean = self.jsonl.write(record, **fields)
+        try:
+            clean = self.jsonl.write(record, **fields)
+        except OSError as err:  # a full disk: one line naming the file, not a traceback
+            raise FilesystemError(f"{self.path}: writing a metrics record failed: {os_reason(err)}") from None
         for sink in self.sinks:
             sink.write(clean)
         return clean
