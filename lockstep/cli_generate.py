@@ -36,6 +36,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
                         help="Hugging Face model dir, lockstep model dir, training run dir (latest checkpoint), "
                              "a llama .gguf file, or a pretrained name (smollm2)")
     parser.add_argument("--step", type=int, default=None, help="a run directory's checkpoint step (default: latest)")
+    parser.add_argument("--allow-unverified-weights", action="store_true",
+                        help="also load weight files that carry no lockstep checksums (third-party Hugging Face "
+                             "directories); files with checksums are always verified")
     if prog == "generate":
         parser.add_argument("--prompt", required=True, help="the text to complete")
         parser.add_argument("--chat", action="store_true",
@@ -114,7 +117,7 @@ def _load(args: argparse.Namespace, need_template: bool) -> Any:
     from lockstep.parallel.launch import resolve_device
 
     source = load_model(args.checkpoint, step=args.step, dtype=None if args.dtype == "auto" else args.dtype,
-                        device=resolve_device(args.device))
+                        device=resolve_device(args.device), allow_unverified=args.allow_unverified_weights)
     source.model.eval()
     if args.chat_template is not None:
         source.chat_template = _template_from_file(Path(args.chat_template), source.tokenizer)

@@ -24,6 +24,11 @@ With ``config`` (a run's ``model`` config) the checkpoint's config must compute 
 attention backend and ``max_seq_len`` may differ) and the model is built from ``config``.
 Anything else is a :class:`ConfigError` naming the field (``field``: ``--checkpoint``,
 ``init_from``) or the file.
+
+Every weights file is verified against the checksums lockstep writes into it (checkpoints against
+their index); a damaged file is one :class:`~lockstep.models.hf.verified.WeightsError` naming it.
+Files without checksums (third-party HF directories) load only with ``allow_unverified=True``
+(``--allow-unverified-weights``; docs/generation.md, "Verified weights").
 """
 
 from __future__ import annotations
@@ -106,9 +111,10 @@ def resolve_source(source: PathLike, field: str = "--checkpoint", cache_dir: Pat
 def load_model(source: PathLike, *, config: TransformerConfig | None = None, step: int | None = None,
                dtype: torch.dtype | str | None = torch.float32, device: torch.device | str = "cpu",
                tokenizer: bool = True, field: str = "--checkpoint",
-               cache_dir: PathLike | None = None) -> LoadedModel:
+               cache_dir: PathLike | None = None, allow_unverified: bool = False) -> LoadedModel:
     """Load ``source`` (see the module docstring). ``step`` picks a checkpoint of a run directory;
-    ``dtype`` None or "auto" keeps the stored dtype; ``tokenizer=False`` skips the text side."""
+    ``dtype`` None or "auto" keeps the stored dtype; ``tokenizer=False`` skips the text side;
+    ``allow_unverified`` also loads weight files that carry no checksums (with a warning)."""
     path = resolve_source(source, field, cache_dir)
     model_dir = (path / CONFIG_NAME).is_file() or (path / LOCKSTEP_CONFIG_NAME).is_file()
     if step is not None and model_dir:
@@ -116,9 +122,9 @@ def load_model(source: PathLike, *, config: TransformerConfig | None = None, ste
     if (path / CONFIG_NAME).is_file():
         if config is not None:  # before reading any weights; the message names the field and the file
             check_same_architecture(load_hf_config(path), config, f"{field} {path / CONFIG_NAME}")
-        loaded = _load_hf_dir(path, config, dtype, device, tokenizer, field)
+        loaded = _load_hf_dir(path, config, dtype, device, tokenizer, field, allow_unverified)
     elif (path / LOCKSTEP_CONFIG_NAME).is_file():
-        loaded = _load_lockstep_model_dir(path, dtype, device, tokenizer, field)
+        loaded = _load_lockstep_model_dir(path, dtype, device, tokenizer, field, allow_unverified)
     else:
         storage_root, manifest = _checkpoint_location(path)
         if storage_root is None and manifest is None:
@@ -128,7 +134,7 @@ def load_model(source: PathLike, *, config: TransformerConfig | None = None, ste
                 f"{field} {path}: not a model directory: expected a Hugging Face model directory (config.json), a "
                 f"lockstep model directory (lockstep_model.json) or a training run directory (manifest.json, "
                 f"checkpoints/); it holds {listing}")
-        loaded = _load_run(path, storage_root, manifest, step, dtype, device, tokenizer, field)
+        loaded = _load_run(path, storage_root, manifest, step, dtype, device, tokenizer, field, allow_unverified)
     if config is not None and loaded.kind != "hf":  # load_hf built the model from ``config``
         check_same_architecture(loaded.model.config, config, f"{field} {path}")
         if config != loaded.model.config:
@@ -140,8 +146,8 @@ def load_model(source: PathLike, *, config: TransformerConfig | None = None, ste
 
 
 def _load_hf_dir(path: Path, config: TransformerConfig | None, dtype: Any, device: Any, text: bool,
-                 field: str) -> LoadedModel:
-    model = load_hf(path, device=device, dtype=dtype, config=config)
+                 field: str, allow_unverified: bool) -> LoadedModel:
+    model = load_hf(path, device=device, dtype=dtype, config=config, allow_unverified=allow_unverified)
     description = f"{path} (Hugging Face {model.config.family}, {model.num_params():,} parameters)"
     if not text:
         return LoadedModel(model, None, None, [], "hf", description, path)
@@ -151,8 +157,9 @@ def _load_hf_dir(path: Path, config: TransformerConfig | None, dtype: Any, devic
                        path)
 
 
-def _load_lockstep_model_dir(path: Path, dtype: Any, device: Any, text: bool, field: str) -> LoadedModel:
-    model = load_lockstep_dir(path, device=device, dtype=dtype)
+def _load_lockstep_model_dir(path: Path, dtype: Any, device: Any, text: bool, field: str,
+                             allow_unverified: bool) -> LoadedModel:
+    model = load_lockstep_dir(path, device=device, dtype=dtype, allow_unverified=allow_unverified)
     description = f"{path} (lockstep {model.config.family}, {model.num_params():,} parameters)"
     if not text:
         return LoadedModel(model, None, None, [], "lockstep", description, path)
@@ -218,7 +225,7 @@ def _checkpoint_location(path: Path) -> tuple[str | None, dict[str, Any] | None]
 
 
 def _load_run(path: Path, storage_uri: str | None, manifest: dict[str, Any] | None, step: int | None,
-              dtype: Any, device: Any, text: bool, field: str) -> LoadedModel:
+              dtype: Any, device: Any, text: bool, field: str, allow_unverified: bool) -> LoadedModel:
     storage = None
     if storage_uri is not None:
         recipe = (manifest or {}).get("recipe") or {}
@@ -232,7 +239,7 @@ def _load_run(path: Path, storage_uri: str | None, manifest: dict[str, Any] | No
     if step is not None:
         raise ConfigError(f"--step {step}: {path} has no checkpoints")
     if manifest is not None and (path / "model.safetensors").is_file():
-        model = load_lockstep_dir(path, device=device, dtype=dtype)
+        model = load_lockstep_dir(path, device=device, dtype=dtype, allow_unverified=allow_unverified)
         recipe = manifest.get("recipe") or {}
         tokenizer, template = _run_tokenizer(path, recipe.get("data"), field) if text else (None, None)
         return LoadedModel(model, tokenizer, template, [], "run-weights",

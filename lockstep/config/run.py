@@ -26,6 +26,8 @@ class RunConfig(Config):
     run_dir: str = ""
     #: start from these weights: a Hugging Face dir, a lockstep/run dir, or a name ("smollm2"); empty = random init
     init_from: str = ""
+    #: also load init_from weights that carry no lockstep checksums (third-party HF directories)
+    allow_unverified_weights: bool = False
 
     def validate_run(self) -> None:
         check_finite(self)  # the whole tree: subclasses' validate() need not call Config.validate

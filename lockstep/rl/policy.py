@@ -32,7 +32,8 @@ def load_policy(config: RLConfig) -> Policy:
     if config.init_from:
         from lockstep.load import load_model
 
-        src = load_model(config.init_from, config=config.model, dtype=torch.float32, field="init_from")
+        src = load_model(config.init_from, config=config.model, dtype=torch.float32, field="init_from",
+                         allow_unverified=config.allow_unverified_weights)
         model, tokenizer, chat, stops, source = src.model, src.tokenizer, src.chat_template, src.stop_token_ids, \
             src.description
     else:

@@ -8,7 +8,8 @@ from lockstep.run import CheckpointPolicy, RankState
 
 #: config fields a resumed run may change without changing what is trained
 RESUMABLE_CHANGES = ("steps", "stop_after", "run_dir", "resume", "checkpoint", "output", "parallel", "recipe",
-                     "validation", "training.device", "training.on_nonfinite", "training.max_rollbacks")
+                     "validation", "training.device", "training.on_nonfinite", "training.max_rollbacks",
+                     "allow_unverified_weights")
 
 
 def build_checkpointing(trainer) -> CheckpointPolicy:

@@ -88,7 +88,7 @@ class Trainer:
             from lockstep.load import load_model
 
             model = load_model(self.init_path, config=config.model, dtype=torch.float32, tokenizer=False,
-                               field="init_from").model
+                               field="init_from", allow_unverified=config.allow_unverified_weights).model
         else:
             model = build_model(config.model, seed=config.seed)
         self.flops_per_token = model.flops_per_token(cfg.seq_len)

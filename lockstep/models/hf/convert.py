@@ -1,11 +1,13 @@
 """``lockstep convert``: Hugging Face directory <-> lockstep model directory.
 
-    lockstep convert --from-hf HF_DIR --out LOCKSTEP_DIR [--dtype float32|bfloat16|auto]
+    lockstep convert --from-hf HF_DIR --out LOCKSTEP_DIR [--dtype float32|bfloat16|auto] [--allow-unverified-weights]
     lockstep convert --to-hf LOCKSTEP_OR_RUN_DIR --out HF_DIR [--dtype ...] [--max-shard-size 5GB]
 
 A lockstep directory holds ``model.safetensors`` (lockstep names), ``lockstep_model.json`` and the
 tokenizer files found beside the source. ``--to-hf`` also reads training run directories
 (``manifest.json`` + ``model.safetensors``), and takes bos/eos ids from their ``tokenizer.json``.
+The source is verified against its checksums (a third-party HF directory has none: pass
+``--allow-unverified-weights``); what is written carries checksums, so it loads verified after.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", metavar="DIR", required=True, help="directory to write")
     parser.add_argument("--dtype", default="auto", help="weight dtype to write: auto (as stored), float32, bfloat16")
     parser.add_argument("--max-shard-size", default="5GB", help="--to-hf: largest safetensors shard (default 5GB)")
+    parser.add_argument("--allow-unverified-weights", action="store_true",
+                        help="also read source weights without lockstep checksums (third-party HF directories)")
     return parser
 
 
@@ -88,13 +92,13 @@ def cmd_convert(argv: list[str]) -> int:
     dtype = None if args.dtype == "auto" else args.dtype
     if args.from_hf:
         src = Path(args.from_hf)
-        model = load_hf(src, dtype=dtype)
+        model = load_hf(src, dtype=dtype, allow_unverified=args.allow_unverified_weights)
         save_lockstep_dir(model, out)
         copied = _copy_tokenizer(src, out)
     else:
         src = Path(args.to_hf)
         max_shard = parse_size(args.max_shard_size)
-        model = load_lockstep_dir(src, dtype=dtype)
+        model = load_lockstep_dir(src, dtype=dtype, allow_unverified=args.allow_unverified_weights)
         ids = _token_ids(src)
         save_hf(model, out, max_shard_bytes=max_shard, config_extra=ids,
                 generation_config=dict(ids) if ids else None)

@@ -9,7 +9,10 @@ A lockstep directory holds ``model.safetensors`` under lockstep's own parameter 
 ``lockstep_model.json`` (the ``TransformerConfig`` as ``to_dict`` writes it). A training run
 directory (``manifest.json`` + ``model.safetensors``) reads the same way.
 
-Problems raise :class:`ConfigError` naming the file and every offending tensor.
+Problems raise :class:`ConfigError` naming the file and every offending tensor. Every weights file
+is written and read through :mod:`lockstep.models.hf.verified`: checksummed on write, verified on
+read (a damaged file is a :class:`~lockstep.models.hf.verified.WeightsError`); files without
+checksums load only with ``allow_unverified=True``.
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from lockstep.config.base import ConfigError
 from lockstep.models.common.transformer import Transformer, TransformerConfig, build_meta_model
 from lockstep.models.hf.config_io import check_same_architecture, config_from_dict, config_to_dict
 from lockstep.models.hf.dense import IGNORED_HF_TENSORS
+from lockstep.models.hf.verified import WeightsError, WeightsHeader, read_header, read_tensors, require_checksums, \
+    write_weights
 from lockstep.models.registry import get_model_spec, spec_for_hf_model_type
 
 CONFIG_NAME = "config.json"
@@ -174,28 +177,36 @@ def load_hf_config(path: PathLike) -> TransformerConfig:
     return config
 
 
-def hf_weight_files(path: PathLike) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file holding it (single file or sharded with index)."""
+INDEX_CHECKSUMS = "lockstep_data_sha256"  # index.json metadata: shard file -> its data sha256
+
+
+def hf_weight_files(path: PathLike) -> dict[str, WeightsHeader]:
+    """HF tensor name -> the checked header of the safetensors file holding it (single file or
+    sharded with index)."""
     path = Path(path)
     index = path / INDEX_NAME
     single = path / WEIGHTS_NAME
     if single.is_file():
-        with safe_open(str(single), framework="pt") as handle:
-            return {name: single for name in handle.keys()}
+        header = read_header(single)
+        return {name: header for name in header.entries}
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        data = _read_json(index)
+        weight_map = data.get("weight_map")
         if not isinstance(weight_map, dict):
             raise ConfigError(f"{index}: no weight_map object")
         shards = sorted(set(weight_map.values()))
         absent = [s for s in shards if not (path / s).is_file()]
         if absent:
             raise ConfigError(f"{index}: shard file(s) {absent} missing from {path}")
+        listed = (data.get("metadata") or {}).get(INDEX_CHECKSUMS) or {}
         # Trust the shards' own tables, not just the index, so a stale index is caught.
-        out: dict[str, Path] = {}
+        out: dict[str, WeightsHeader] = {}
         for shard in shards:
-            with safe_open(str(path / shard), framework="pt") as handle:
-                for name in handle.keys():
-                    out[name] = path / shard
+            header = read_header(path / shard)
+            if shard in listed and header.checksum != listed[shard]:
+                raise WeightsError(f"{path / shard}: its checksum differs from the one {index.name} records for it "
+                                   "(a shard of another export, or a damaged header)")
+            out.update({name: header for name in header.entries})
         not_in_shards = sorted(set(weight_map) - set(out))
         if not_in_shards:
             raise ConfigError(f"{index}: lists tensor(s) absent from its shards: {_names(not_in_shards)}")
@@ -205,34 +216,27 @@ def hf_weight_files(path: PathLike) -> dict[str, Path]:
                       f"only safetensors checkpoints are read)")
 
 
-def _shapes_of(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
-    shapes: dict[str, tuple[int, ...]] = {}
-    by_file: dict[Path, list[str]] = {}
-    for name, file in files.items():
-        by_file.setdefault(file, []).append(name)
-    for file, names in by_file.items():
-        with safe_open(str(file), framework="pt") as handle:
-            for name in names:
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
+def _shapes_of(files: dict[str, WeightsHeader]) -> dict[str, tuple[int, ...]]:
+    return {name: header.entries[name].shape for name, header in files.items()}
 
 
-def _read_tensors(files: dict[str, Path], names: Iterable[str], device: torch.device | str,
+def _read_tensors(files: dict[str, WeightsHeader], names: Iterable[str], device: torch.device | str,
                   dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The tensors ``names``, each file read once (and verified as it is read)."""
     wanted = set(names)
-    by_file: dict[Path, list[str]] = {}
-    for name, file in files.items():
+    by_file: dict[Path, tuple[WeightsHeader, list[str]]] = {}
+    for name, header in files.items():
+        listed = by_file.setdefault(header.path, (header, []))[1]
         if name in wanted:
-            by_file.setdefault(file, []).append(name)
+            listed.append(name)
     out: dict[str, torch.Tensor] = {}
-    for file, file_names in by_file.items():
-        with safe_open(str(file), framework="pt") as handle:
-            for name in file_names:
-                tensor = handle.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                out[name] = tensor.to(device)
+    for header, file_names in by_file.values():
+        out.update(read_tensors(header, file_names, dtype=dtype, device=device))
     return out
+
+
+def _headers(files: dict[str, WeightsHeader]) -> list[WeightsHeader]:
+    return list({h.path: h for h in files.values()}.values())
 
 
 def load_hf(
@@ -240,13 +244,16 @@ def load_hf(
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str | None = None,
     config: TransformerConfig | None = None,
+    *,
+    allow_unverified: bool = False,
 ) -> Transformer:
     """A lockstep ``Transformer`` holding the weights of the HF model directory ``path``.
 
     ``dtype`` None (or "auto") keeps the dtype stored in the files; pass ``torch.float32`` for
     fp32 master weights. ``config`` may replace the one read from config.json to change what
     does not alter the function (attention backend, overrides of it, ``max_seq_len``, flavor);
-    any other difference is a ConfigError naming the field.
+    any other difference is a ConfigError naming the field. Every file is verified against its
+    checksums; ``allow_unverified`` also loads files that carry none (third-party directories).
     """
     path = Path(path)
     dtype = resolve_dtype(dtype)
@@ -260,9 +267,12 @@ def load_hf(
     model = build_meta_model(config)
     expected_ls = _expected_shapes(model)
     expected_hf, tied_optional = _expected_hf_shapes(adapter, model, config)
+    if hasattr(adapter, "stored_hf_shapes"):  # a stored format other than state_to_hf's (GPT-OSS MXFP4 experts)
+        expected_hf = adapter.stored_hf_shapes(expected_hf, hf_config)
     files = hf_weight_files(path)
     where = f"{path / (WEIGHTS_NAME if (path / WEIGHTS_NAME).is_file() else INDEX_NAME)} ({spec.name})"
     _check_tensors(where, _shapes_of(files), expected_hf, ignore=IGNORED_HF_TENSORS.search, optional=tied_optional)
+    require_checksums(_headers(files), allow_unverified, f"the model in {path}")
     keep = [n for n in files if n in expected_hf or n in tied_optional]
     hf_state = _read_tensors(files, keep, device, dtype)
     try:
@@ -343,17 +353,18 @@ def save_hf(
     path.mkdir(parents=True, exist_ok=True)
     _remove_old_weights(path)
     shards = _plan_shards(tensors, max_shard_bytes)
-    metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(path / WEIGHTS_NAME), metadata=metadata)
+        write_weights(shards[0], path / WEIGHTS_NAME)
     else:
         weight_map: dict[str, str] = {}
+        checksums: dict[str, str] = {}
         for i, shard in enumerate(shards, start=1):
             name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / name), metadata=metadata)
+            checksums[name] = write_weights(shard, path / name)
             weight_map.update({t: name for t in shard})
         total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": total, INDEX_CHECKSUMS: checksums},
+                 "weight_map": dict(sorted(weight_map.items()))}
         (path / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
     (path / CONFIG_NAME).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     if generation_config is not None:
@@ -373,7 +384,7 @@ def save_lockstep_dir(model: Transformer, path: PathLike) -> Path:
     state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:
         state.pop("output.weight", None)
-    save_file(state, str(path / WEIGHTS_NAME), metadata={"format": "pt", "producer": "lockstep"})
+    write_weights(state, path / WEIGHTS_NAME)
     (path / LOCKSTEP_CONFIG_NAME).write_text(json.dumps(config_to_dict(model.config), indent=2) + "\n",
                                              encoding="utf-8")
     return path
@@ -403,18 +414,19 @@ def load_lockstep_config(path: PathLike) -> TransformerConfig:
 
 
 def load_lockstep_dir(
-    path: PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None
+    path: PathLike, device: torch.device | str = "cpu", dtype: torch.dtype | str | None = None, *,
+    allow_unverified: bool = False,
 ) -> Transformer:
-    """A ``Transformer`` from a lockstep directory or training run directory."""
+    """A ``Transformer`` from a lockstep directory or training run directory, its
+    ``model.safetensors`` verified against its checksums (``allow_unverified``: also without any)."""
     path = Path(path)
     config = load_lockstep_config(path)
     dtype = resolve_dtype(dtype)
     file = path / WEIGHTS_NAME
     if not file.is_file():
         raise ConfigError(f"{file}: missing")
-    files = {}
-    with safe_open(str(file), framework="pt") as handle:
-        files = {name: file for name in handle.keys()}
+    header = read_header(file)
+    files = {name: header for name in header.entries}
     model = build_meta_model(config)
     expected = _expected_shapes(model)
     optional = {"output.weight", "tok_embeddings.weight"} if config.tie_embeddings else set()
@@ -422,6 +434,7 @@ def load_lockstep_dir(
     _check_tensors(str(file), found, expected, optional=optional)
     if config.tie_embeddings and not optional & set(found):
         raise ConfigError(f"{file}: missing tensor(s) [tok_embeddings.weight]")
+    require_checksums([header], allow_unverified, f"the model in {path}")
     state = _read_tensors(files, list(files), device, dtype)
     if config.tie_embeddings:
         # The trainer's save_model keeps one name of a shared tensor; either may be there.
