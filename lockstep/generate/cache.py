@@ -23,6 +23,7 @@ decode step that reads the pools in place (``AttentionBackend.paged``).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
@@ -123,13 +124,15 @@ class LayerCache:
         return pool.index_select(0, meta.block_tables.reshape(-1)).view(b, n_blocks * pool.shape[1], *pool.shape[2:])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, **sink_window: Any) -> torch.Tensor:
         """q [B, H, T, D], new k/v [B, Hkv, T, D] -> attention over each whole context [B, H, T, D].
 
         A decode step of a backend with a paged variant (``sdpa`` on CPU) reads the context in place
-        from the pools (:mod:`lockstep.ops.paged_attention`) instead of gathering it."""
+        from the pools (:mod:`lockstep.ops.paged_attention`) instead of gathering it. ``sink_window``:
+        the ``sinks`` / ``window`` keywords of :mod:`lockstep.ops.attention` (GPT-OSS), passed to the
+        gathered-context kernel (the paged kernel has neither)."""
         k_pool, v_pool = self.pools
-        paged = self.owner.paged.get(backend)
+        paged = None if sink_window else self.owner.paged.get(backend)
         if paged is not None and paged.usable(q, k_pool, v_pool):
             meta = self.owner.meta
             self._store(k_pool, k.transpose(1, 2))
@@ -138,7 +141,8 @@ class LayerCache:
         k_ctx = self._store_and_gather(k_pool, k.transpose(1, 2)).transpose(1, 2)
         v_ctx = self._store_and_gather(v_pool, v.transpose(1, 2)).transpose(1, 2)
         fn = get_cached_attention(backend)
-        return fn(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), q_positions=self.owner.meta.q_positions, scale=scale)
+        return fn(q, k_ctx.to(q.dtype), v_ctx.to(q.dtype), q_positions=self.owner.meta.q_positions, scale=scale,
+                  **sink_window)
 
     def attend_latent(self, q: torch.Tensor, latent: torch.Tensor, *, value_dim: int, backend: str,
                       scale: float | None = None) -> torch.Tensor:

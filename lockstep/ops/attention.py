@@ -14,6 +14,14 @@ every variant it has:
 * ``paged`` (optional, :class:`PagedAttention`): a decode step (T = 1) that reads keys and values in
   place from the paged cache's block pools instead of a gathered copy.
 
+``forward`` and ``cached`` also take ``sinks`` (None, or ``[H]`` learned per-head logits that join every
+softmax denominator and attend to nothing: GPT-OSS's attention sinks) and ``window`` (0, or a sliding
+window: a query at position p sees keys p - window < s <= p, as transformers' ``sliding_window``).
+Layers pass them only when set, so a backend without them is still called as before; one that
+cannot honour them raises. :func:`with_sink_key` turns a sink into an ordinary key (one extra key
+coordinate, one extra key in front), which lets a kernel without sink support (SDPA's flash kernel,
+the batch-invariant kernel) compute it exactly.
+
 How a layer finds its kernel (the one mechanism; nothing swaps a module's attributes): attention
 modules subclass :class:`AttentionLayer`, which holds ``backend_name`` (the configured name, from the
 model config; fixed) and ``attention_wrapper`` (None, or what :func:`set_attention_wrapper` installed,
@@ -135,13 +143,41 @@ class AttentionLayer(nn.Module):
         return resolve_backend(self.backend_name)
 
     def full_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                       scale: float | None = None) -> torch.Tensor:
+                       scale: float | None = None, sinks: torch.Tensor | None = None,
+                       window: int = 0) -> torch.Tensor:
         """Attention of ``q`` over ``k, v`` with the active backend's full-sequence kernel, through the
-        installed wrapper if there is one."""
+        installed wrapper if there is one. ``sinks`` / ``window``: the module docstring."""
         fn = _REGISTRY[self.active_backend].forward
+        extra = sink_window_kwargs(sinks, window)
         if self.attention_wrapper is not None:
+            if extra:
+                raise ValueError(f"attention wrapper {self.attention_wrapper!r} (e.g. context parallelism) does not "
+                                 f"support attention sinks or sliding windows ({sorted(extra)})")
             return self.attention_wrapper(fn, q, k, v, causal=causal, mask=None, scale=scale)
-        return fn(q, k, v, causal=causal, scale=scale)
+        return fn(q, k, v, causal=causal, scale=scale, **extra)
+
+
+def sink_window_kwargs(sinks: torch.Tensor | None, window: int) -> dict:
+    """The ``sinks`` / ``window`` keywords of a backend call: only those that are set."""
+    extra: dict = {}
+    if sinks is not None:
+        extra["sinks"] = sinks
+    if window:
+        extra["window"] = window
+    return extra
+
+
+def with_sink_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, scale: float
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sink as an ordinary key: ``q`` gains a coordinate ``sinks[h] / scale``, ``k`` a zero one, and
+    key 0 (new, in front) is ``[0, ..., 0, 1]`` with value 0, so ``scale * q.k0`` is the head's sink
+    logit. Callers shift key positions by one and must pass ``scale`` explicitly (the head dim grew)."""
+    b, h, t, d = q.shape
+    col = (sinks.float() / scale).to(q.dtype).view(1, h, 1, 1).expand(b, h, t, 1)
+    sink_key = torch.zeros(b, k.shape[1], 1, d + 1, dtype=k.dtype, device=k.device)
+    sink_key[..., d] = 1.0
+    return (torch.cat([q, col], dim=-1), torch.cat([sink_key, F.pad(k, (0, 1))], dim=2),
+            F.pad(v, (0, 0, 1, 0)))
 
 
 def attention_layers(model: nn.Module) -> Iterator[AttentionLayer]:
@@ -176,12 +212,30 @@ def sdpa_attention(
     causal: bool = True,
     mask: torch.Tensor | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """PyTorch scaled_dot_product_attention (the flash kernel on CPU when no mask is given).
 
     Without a mask, grouped heads go to the kernel as they are (``enable_gqa``), which saves the
-    copy of expanded keys/values and its backward; masked calls expand them first.
+    copy of expanded keys/values and its backward; masked calls expand them first. Sinks go in as
+    a key (:func:`with_sink_key`); the square causal case then stays on the flash kernel behind a
+    zero query row (row r sees keys <= r: query t sees the sink and keys 0..t).
     """
+    if window:
+        mask = _window_mask(q, k, causal, mask, window)
+    if sinks is not None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        q, k, v = with_sink_key(q, k, v, sinks, scale)
+        if mask is None and causal and q.shape[2] + 1 == k.shape[2]:
+            out = F.scaled_dot_product_attention(F.pad(q, (0, 0, 1, 0)), k, v, is_causal=True, scale=scale,
+                                                 enable_gqa=k.shape[1] != q.shape[1])
+            return out[:, :, 1:]
+        if mask is None and causal:
+            mask = causal_mask(q.shape[2], k.shape[2] - 1, q.device)
+        if mask is not None:
+            mask = F.pad(mask, (1, 0), value=True)
+        causal = False
     if mask is None and causal and q.shape[2] != k.shape[2]:
         mask = causal_mask(q.shape[2], k.shape[2], q.device)
     if mask is not None:
@@ -189,6 +243,23 @@ def sdpa_attention(
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _window_mask(q: torch.Tensor, k: torch.Tensor, causal: bool, mask: torch.Tensor | None, window: int
+                 ) -> torch.Tensor:
+    if not causal or mask is not None:
+        raise ValueError("a sliding window applies to causal attention without an explicit mask")
+    return causal_mask(q.shape[2], k.shape[2], q.device, window)
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim of fp32 ``scores [B, H, T, S]``, with each head's sink logit in the
+    denominator when given (its own probability dropped, as transformers' eager GPT-OSS does)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    b, h, t, _ = scores.shape
+    sink = sinks.float().view(1, h, 1, 1).expand(b, h, t, 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 
 def reference_attention(
@@ -199,8 +270,12 @@ def reference_attention(
     causal: bool = True,
     mask: torch.Tensor | None = None,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Plain softmax(q k^T / sqrt(d)) v with fp32 scores: slow, obviously correct."""
+    if window:
+        mask = _window_mask(q, k, causal, mask, window)
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
@@ -208,21 +283,26 @@ def reference_attention(
         mask = causal_mask(q.shape[2], k.shape[2], q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    probs = _softmax_with_sinks(scores, sinks)
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
-def causal_mask(t_q: int, t_k: int, device: torch.device | str) -> torch.Tensor:
-    """Boolean [t_q, t_k] mask, True where attention is allowed; queries are the last t_q keys."""
+def causal_mask(t_q: int, t_k: int, device: torch.device | str, window: int = 0) -> torch.Tensor:
+    """Boolean [t_q, t_k] mask, True where attention is allowed; queries are the last t_q keys.
+    ``window`` > 0: only the last ``window`` keys up to the query's own."""
     q_pos = torch.arange(t_k - t_q, t_k, device=device)[:, None]
     k_pos = torch.arange(t_k, device=device)[None, :]
-    return k_pos <= q_pos
+    allowed = k_pos <= q_pos
+    return allowed & (k_pos > q_pos - window) if window else allowed
 
 
-def position_mask(q_positions: torch.Tensor, context_len: int) -> torch.Tensor:
-    """Boolean [B, 1, T, S] mask, True where key s (at position s) is at or before the query's position."""
+def position_mask(q_positions: torch.Tensor, context_len: int, window: int = 0) -> torch.Tensor:
+    """Boolean [B, 1, T, S] mask, True where key s (at position s) is at or before the query's position
+    (and, with ``window`` > 0, after position - window)."""
     keys = torch.arange(context_len, device=q_positions.device)
-    return keys <= q_positions[:, None, :, None]
+    q_pos = q_positions[:, None, :, None]
+    allowed = keys <= q_pos
+    return allowed & (keys > q_pos - window) if window else allowed
 
 
 def sdpa_cached_attention(
@@ -232,13 +312,19 @@ def sdpa_cached_attention(
     *,
     q_positions: torch.Tensor,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """SDPA over a gathered context. Grouped query heads are folded into the query rows
     ([B, Hkv, groups * T, D]) instead of expanding keys/values to every head: no K/V copy."""
     b, h, t, _ = q.shape
     hkv = k.shape[1]
     groups = h // hkv
-    mask = position_mask(q_positions, k.shape[2])
+    mask = position_mask(q_positions, k.shape[2], window)
+    if sinks is not None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        q, k, v = with_sink_key(q, k, v, sinks, scale)
+        mask = F.pad(mask, (1, 0), value=True)
     if groups > 1:
         q = q.reshape(b, hkv, groups * t, q.shape[-1])
         mask = mask.repeat(1, 1, groups, 1)  # row g * T + t is query head (kv_head * groups + g), token t
@@ -253,13 +339,15 @@ def reference_cached_attention(
     *,
     q_positions: torch.Tensor,
     scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """Plain masked softmax(q k^T * scale) v with fp32 scores over a gathered context."""
     k, v = expand_kv(k, q.shape[1]), expand_kv(v, q.shape[1])
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~position_mask(q_positions, k.shape[2]), float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v.float()).to(q.dtype)
+    scores = scores.masked_fill(~position_mask(q_positions, k.shape[2], window), float("-inf"))
+    return torch.matmul(_softmax_with_sinks(scores, sinks), v.float()).to(q.dtype)
 
 
 def _sdpa_paged_available(device: torch.device) -> bool:

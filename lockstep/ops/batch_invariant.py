@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from lockstep.ops import bi_kernel, decode_linear
-from lockstep.ops.attention import BATCH_INVARIANT, register_attention_backend
+from lockstep.ops.attention import BATCH_INVARIANT, register_attention_backend, with_sink_key
 
 #: fp32 rows per tile: one tile holds a 16-sequence decode step (32 would double its work, and
 #: pad a single sequence's row 32-fold); at trainer sizes 16 and 32 cost about the same
@@ -295,17 +295,29 @@ def tiled_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
 
 
 def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                    mask: torch.Tensor | None = None, scale: float | None = None,
+                    sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """The backend signature of :mod:`lockstep.ops.attention` (the last query sees the last key)."""
     if mask is not None or not causal:
         raise ValueError("attention backend 'batch_invariant' supports causal attention without an explicit mask")
     t, s = q.shape[2], k.shape[2]
     positions = torch.arange(s - t, s, device=q.device).expand(q.shape[0], t)
+    if sinks is not None or window:
+        return _cached_attention(q, k, v, q_positions=positions, scale=scale, sinks=sinks, window=window)
     return chunked_attention(q, k, v, positions, scale, square_causal=t == s)
 
 
 def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """Sinks join as key 0 (:func:`~lockstep.ops.attention.with_sink_key`, positions shifted by one):
+    the trainer's and the generator's calls build it alike, so they still agree bitwise."""
+    if window:
+        raise ValueError("attention backend 'batch_invariant' has no sliding-window attention yet "
+                         "(model.attention.sliding_window); use sdpa or reference")
+    if sinks is not None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        q, k, v = with_sink_key(q, k, v, sinks, scale)
+        q_positions = q_positions + 1
     return chunked_attention(q, k, v, q_positions, scale)
 
 

@@ -1,5 +1,9 @@
 """Grouped-query attention with optional per-head q/k RMSNorm (Qwen3), backend chosen by name.
 
+Optional, for GPT-OSS: q/k/v and output biases, learned per-head attention sinks (a logit in every
+softmax denominator that attends to nothing) and a sliding window (a query sees its last
+``sliding_window`` keys, itself included); the backends implement both (:mod:`lockstep.ops.attention`).
+
 ``forward(x, rope, cache=None)``: without a cache (training, scoring) attention is causal over ``x``'s
 own tokens. With a cache (generation, :mod:`lockstep.generate`) ``x`` holds only the new tokens of
 each sequence; the cache stores their keys/values and attends over each sequence's whole context
@@ -15,10 +19,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from lockstep.config.base import Config, require_choice
+from lockstep.config.base import Config, require, require_choice
 from lockstep.models.common.norm import RMSNorm
 from lockstep.models.common.rope import apply_rotary
-from lockstep.ops.attention import AttentionLayer, attention_backends
+from lockstep.ops.attention import AttentionLayer, attention_backends, sink_window_kwargs
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -33,9 +37,16 @@ class AttentionConfig(Config):
     qk_norm: bool = False
     #: add a bias to the q/k/v projections (Qwen2-style checkpoints)
     qkv_bias: bool = False
+    #: add a bias to the output projection (GPT-OSS)
+    o_bias: bool = False
+    #: a learned per-head sink logit in every softmax denominator (GPT-OSS)
+    sinks: bool = False
+    #: 0: full causal attention; n > 0: each query sees only its last n keys, itself included
+    sliding_window: int = 0
 
     def validate(self, path: str = "") -> None:
         require_choice(self.backend, attention_backends(), f"{path}.backend")
+        require(self.sliding_window >= 0, f"{path}.sliding_window", f"must be >= 0, got {self.sliding_window}")
 
     def build(
         self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float
@@ -63,9 +74,16 @@ class GroupedQueryAttention(AttentionLayer):
         self.wq = nn.Linear(dim, n_heads * head_dim, bias=config.qkv_bias)
         self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=config.qkv_bias)
         self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=config.qkv_bias)
-        self.wo = nn.Linear(n_heads * head_dim, dim, bias=False)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=config.o_bias)
         self.q_norm = RMSNorm(head_dim, norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(head_dim, norm_eps) if config.qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(n_heads)) if config.sinks else None
+        self.window = config.sliding_window
+
+    def reset_parameters(self) -> None:
+        """Sinks start at logit 0 (the linears are initialised by the model)."""
+        if self.sinks is not None:
+            nn.init.zeros_(self.sinks)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: Any = None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]; ``cache``: a layer cache (``attend(q, k, v, backend=, scale=)``)."""
@@ -80,7 +98,8 @@ class GroupedQueryAttention(AttentionLayer):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
-            out = self.full_attention(q, k, v, causal=True)
+            out = self.full_attention(q, k, v, causal=True, sinks=self.sinks, window=self.window)
         else:
-            out = cache.attend(q, k, v, backend=self.active_backend, scale=None)
+            out = cache.attend(q, k, v, backend=self.active_backend, scale=None,
+                               **sink_window_kwargs(self.sinks, self.window))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

@@ -43,3 +43,11 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(numerics.rowwise(F.silu, self.w1(x)) * self.w3(x))  # rowwise: batch-invariant mode
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's expert activation: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = clamp(gate, max=limit)`` (transformers' ``GptOssExperts._apply_gate``)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * numerics.rowwise(torch.sigmoid, gate * alpha))

@@ -22,6 +22,7 @@ its forward did; the recompute (a forward run inside backward) adds no counts an
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,7 @@ from torch import nn
 
 from lockstep import numerics
 from lockstep.config.base import require, require_choice, require_positive
-from lockstep.models.common.mlp import FeedForwardConfig, SwiGLU
+from lockstep.models.common.mlp import FeedForwardConfig, SwiGLU, clamped_swiglu
 from lockstep.models.common.moe_routing import (
     balance_bias_update,
     forced_balanced_indices,
@@ -38,7 +39,8 @@ from lockstep.models.common.moe_routing import (
     sequence_balance_loss,
 )
 
-SCORE_FUNCS = ["softmax", "sigmoid"]
+SCORE_FUNCS = ["softmax", "sigmoid", "topk_softmax"]
+ACTIVATIONS = ["silu", "clamped_swiglu"]
 ROUTINGS = ["learned", "forced_balanced"]
 EXPERT_IMPLS = ["auto", "grouped_mm", "loop"]
 
@@ -59,8 +61,19 @@ class MoEConfig(FeedForwardConfig):
     shared_ffn_dim: int = 0
     #: scale the shared experts' output by sigmoid(w . x) per token (Qwen2-MoE / Qwen3-Next / Qwen3.5)
     shared_expert_gate: bool = False
-    #: router affinity: "softmax" over experts (Qwen3-MoE) or per-expert "sigmoid" (DeepSeek-V3)
+    #: router affinity: "softmax" over experts (Qwen3-MoE), per-expert "sigmoid" (DeepSeek-V3), or
+    #: "topk_softmax" (GPT-OSS: top-k logits, softmax over those k; norm_topk_prob does not apply)
     score_func: str = "softmax"
+    #: the router Linear has a bias (GPT-OSS)
+    router_bias: bool = False
+    #: each expert's projections have biases (GPT-OSS)
+    expert_bias: bool = False
+    #: expert activation: "silu" (SwiGLU) or "clamped_swiglu" (GPT-OSS, with swiglu_alpha / swiglu_limit)
+    activation: str = "silu"
+    #: clamped_swiglu: sigmoid gain
+    swiglu_alpha: float = 1.702
+    #: clamped_swiglu: clamp of the gate (above) and of the up projection (both sides)
+    swiglu_limit: float = 7.0
     #: renormalise the chosen k weights to sum to 1 (before routed_scaling_factor)
     norm_topk_prob: bool = True
     #: multiply the routed experts' weights by this (DeepSeek-V3 uses 2.5)
@@ -96,6 +109,11 @@ class MoEConfig(FeedForwardConfig):
         require_choice(self.score_func, SCORE_FUNCS, f"{p}score_func")
         require_choice(self.routing, ROUTINGS, f"{p}routing")
         require_choice(self.experts_impl, EXPERT_IMPLS, f"{p}experts_impl")
+        require_choice(self.activation, ACTIVATIONS, f"{p}activation")
+        if self.activation == "clamped_swiglu":
+            require_positive(self.swiglu_limit, f"{p}swiglu_limit")
+        if self.score_func == "topk_softmax":
+            require(self.n_group == 1, f"{p}n_group", "group-limited routing is not defined for topk_softmax")
         require_positive(self.routed_scaling_factor, f"{p}routed_scaling_factor")
         require_positive(self.n_group, f"{p}n_group")
         require(
@@ -159,20 +177,35 @@ class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: ``w1, w3 [E, F, D]`` and ``w2 [E, D, F]`` (Linear layout)."""
 
     def __init__(self, n_experts: int, dim: int, hidden_dim: int, impl: str = "auto",
-                 init_std: float = 0.02, out_init_std: float | None = None) -> None:
+                 init_std: float = 0.02, out_init_std: float | None = None, bias: bool = False,
+                 activation=None) -> None:
         super().__init__()
         self.n_experts, self.dim, self.hidden_dim, self.impl = n_experts, dim, hidden_dim, impl
         self.init_std = init_std
         self.out_init_std = init_std if out_init_std is None else out_init_std
+        #: ``activation(gate, up)``; None: SwiGLU's silu(gate) * up
+        self.activation = activation
         self.w1 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        # biases of w1 / w3 / w2, per expert (GPT-OSS)
+        self.b1 = nn.Parameter(torch.empty(n_experts, hidden_dim)) if bias else None
+        self.b3 = nn.Parameter(torch.empty(n_experts, hidden_dim)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(n_experts, dim)) if bias else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.w1, mean=0.0, std=self.init_std)
         nn.init.normal_(self.w3, mean=0.0, std=self.init_std)
         nn.init.normal_(self.w2, mean=0.0, std=self.out_init_std)
+        for b in (self.b1, self.b3, self.b2):
+            if b is not None:
+                nn.init.zeros_(b)
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.activation is None:
+            return numerics.rowwise(F.silu, gate) * up
+        return self.activation(gate, up)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x [N, D]`` sorted by expert, ``counts [E]`` tokens per expert -> ``[N, D]``."""
@@ -191,14 +224,24 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = (w.to(dtype) for w in (self.w1, self.w2, self.w3))
         gate = _contiguous_grad(torch._grouped_mm(x, w1.mT, offs=offs))
         up = _contiguous_grad(torch._grouped_mm(x, w3.mT, offs=offs))
-        return _contiguous_grad(torch._grouped_mm(F.silu(gate) * up, w2.mT, offs=offs))
+        if self.b1 is None:
+            return _contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs))
+        expert = torch.repeat_interleave(torch.arange(self.n_experts, device=x.device), counts,
+                                         output_size=x.shape[0])  # each row's expert
+        gate, up = gate + self.b1.to(dtype)[expert], up + self.b3.to(dtype)[expert]
+        out = _contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs))
+        return out + self.b2.to(dtype)[expert]
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor, linear=F.linear) -> torch.Tensor:
         outs = []
         for e, chunk in enumerate(x.split(counts.tolist())):
-            if chunk.shape[0]:
-                outs.append(linear(numerics.rowwise(F.silu, linear(chunk, self.w1[e])) * linear(chunk, self.w3[e]),
-                                   self.w2[e]))
+            if not chunk.shape[0]:
+                continue
+            gate, up = linear(chunk, self.w1[e]), linear(chunk, self.w3[e])
+            if self.b1 is None:
+                outs.append(linear(self._act(gate, up), self.w2[e]))
+            else:
+                outs.append(linear(self._act(gate + self.b1[e], up + self.b3[e]), self.w2[e]) + self.b2[e])
         return torch.cat(outs) if outs else x.new_zeros(0, self.dim)
 
 
@@ -217,9 +260,12 @@ class MoE(nn.Module):
         self.reduce_counts = None
         #: tokens per expert of this optimizer step's training forwards so far (int64 [E]), not yet applied
         self.pending_counts: torch.Tensor | None = None
-        self.gate = nn.Linear(dim, self.n_experts, bias=False)
+        self.gate = nn.Linear(dim, self.n_experts, bias=config.router_bias)
         self.register_buffer("e_score_correction_bias", torch.zeros(self.n_experts, dtype=torch.float32))
-        self.experts = GroupedExperts(self.n_experts, dim, hidden_dim, config.experts_impl, init_std, out_init_std)
+        act = (functools.partial(clamped_swiglu, alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+               if config.activation == "clamped_swiglu" else None)
+        self.experts = GroupedExperts(self.n_experts, dim, hidden_dim, config.experts_impl, init_std, out_init_std,
+                                      bias=config.expert_bias, activation=act)
         self.shared_experts = (
             SwiGLU(dim, config.shared_ffn_dim or hidden_dim * config.n_shared_experts)
             if config.n_shared_experts else None
@@ -241,6 +287,8 @@ class MoE(nn.Module):
         n_tokens, cfg = flat.shape[0], self.config
         with torch.autocast(x.device.type, enabled=False):  # routing in fp32, as DeepSeek-V3 does
             logits = numerics.linear(flat.float(), self.gate.weight.float())
+            if self.gate.bias is not None:
+                logits = logits + self.gate.bias.float()
         if cfg.routing == "forced_balanced":
             indices = forced_balanced_indices(n_tokens, self.top_k, self.n_experts, flat.device)
             # Uniform 1/k weights; the gate still runs and joins the graph with a zero gradient, so

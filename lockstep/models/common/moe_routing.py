@@ -4,7 +4,8 @@
 and ``DeepseekV3TopkRouter``): score every expert (softmax or sigmoid of the router logits, in
 fp32), optionally restrict the choice to the best ``topk_group`` of ``n_group`` expert groups, add
 the aux-loss-free balancing bias for *selection only*, take the top k, and weight each chosen expert
-by its *unbiased* score (renormalised over the chosen k if asked, then scaled).
+by its *unbiased* score (renormalised over the chosen k if asked, then scaled). ``topk_softmax``
+(GPT-OSS's ``GptOssTopKRouter``) picks the top k logits and weights them by a softmax over those k.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from lockstep import numerics
 def expert_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     """Per-expert affinity in fp32: softmax over experts, or an independent sigmoid per expert."""
     logits = logits.float()
-    if score_func == "softmax":
+    if score_func in ("softmax", "topk_softmax"):
         return logits.softmax(dim=-1)
     if score_func == "sigmoid":
         return numerics.rowwise(torch.sigmoid, logits)
-    raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    raise ValueError(f"score_func must be 'softmax', 'topk_softmax' or 'sigmoid', got {score_func!r}")
 
 
 def route(
@@ -44,6 +45,11 @@ def route(
     experts outside those groups cannot be chosen.
     """
     scores = expert_scores(logits, score_func)
+    if score_func == "topk_softmax":  # GPT-OSS: top-k of the logits, softmax over those k only
+        choice = logits.float() if bias is None else logits.float() + bias.float()
+        indices = choice.topk(top_k, dim=-1).indices
+        weights = logits.float().gather(1, indices).softmax(dim=-1)
+        return weights * routed_scaling_factor if routed_scaling_factor != 1.0 else weights, indices, scores
     choice = scores if bias is None else scores + bias.float()
     n_tokens, n_experts = choice.shape
     if n_group > 1:

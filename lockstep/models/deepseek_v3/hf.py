@@ -48,6 +48,7 @@ from lockstep.models.common.mla import MLAConfig
 from lockstep.models.common.mlp import SwiGLUConfig
 from lockstep.models.common.moe import MoEConfig
 from lockstep.models.common.rope_yarn import YarnRopeConfig, softmax_mscale_of
+from lockstep.models.hf.yarn import yarn_rope_from_hf, yarn_rope_to_hf
 from lockstep.models.common.transformer import TransformerConfig
 from lockstep.models.deepseek_v3.model import DeepSeekV3Config, deepseek_v3_config
 
@@ -62,41 +63,11 @@ _MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> YarnRopeConfig:
-    params = dict(hf.get("rope_parameters") or {})
-    if not params:
-        params = dict(hf.get("rope_scaling") or {})
-        params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta") or hf.get("rope_theta") or 10000.0)
-    if rope_type == "default":
-        return YarnRopeConfig(theta=theta, scaling="none")
-    if rope_type != "yarn":
-        raise ConfigError(f"config.json rope type {rope_type!r} is not supported for deepseek_v3 (default, yarn)")
-    original = int(params.get("original_max_position_embeddings") or hf["max_position_embeddings"])
-    factor = params.get("factor") or hf["max_position_embeddings"] / original
-    return YarnRopeConfig(
-        theta=theta, scaling="yarn", factor=float(factor), original_max_position_embeddings=original,
-        beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-        mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
-        attention_factor=float(params.get("attention_factor") or 0.0), truncate=bool(params.get("truncate", True)),
-    )
+    return yarn_rope_from_hf(hf, "deepseek_v3")
 
 
 def _rope_to_hf(rope: Any) -> dict[str, Any]:
-    scaling = getattr(rope, "scaling", "none")
-    if scaling == "none":
-        return {"rope_type": "default", "rope_theta": rope.theta}
-    if scaling != "yarn":
-        raise ConfigError(f"model.rope.scaling: {scaling!r} has no deepseek_v3 HF equivalent (none, yarn)")
-    out: dict[str, Any] = {"rope_type": "yarn", "rope_theta": rope.theta, "factor": rope.factor,
-                           "original_max_position_embeddings": rope.original_max_position_embeddings,
-                           "beta_fast": rope.beta_fast, "beta_slow": rope.beta_slow}
-    for name in ("mscale", "mscale_all_dim", "attention_factor"):
-        if getattr(rope, name):
-            out[name] = getattr(rope, name)
-    if not rope.truncate:
-        out["truncate"] = False
-    return out
+    return yarn_rope_to_hf(rope, "deepseek_v3")
 
 
 def _uniform(config: DeepSeekV3Config) -> None:
