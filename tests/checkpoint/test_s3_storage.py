@@ -71,7 +71,7 @@ def test_round_trip_on_s3_is_exact(endpoint, mode):
     assert tensors.keys() == state.keys() and all(torch.equal(tensors[k], state[k]) for k in state)
 
 
-def test_incomplete_save_on_s3_is_invisible_and_removed(endpoint):
+def test_incomplete_save_on_s3_is_invisible_and_set_aside(endpoint):
     storage = S3Storage(_bucket(endpoint, "incomplete"), "", endpoint_url=endpoint)
     ckpt = Checkpointer(storage, mode="sync")
     ckpt.save(1, {n: Slot.of(t) for n, t in _state().items()}, {}, {})
@@ -79,8 +79,12 @@ def test_incomplete_save_on_s3_is_invisible_and_removed(endpoint):
     # a save cut off before its index: shards present, no index.json
     storage.put("step-00000002/rank-00000-0.safetensors", [b"partial"])
     assert latest_step(storage) == 1
-    Checkpointer(storage, mode="sync").close()  # a new run cleans up
+    with pytest.warns(UserWarning, match="moved aside, kept, not loaded: step-00000002 has no index.json"):
+        Checkpointer(storage, mode="sync").close()  # a new run moves it out of the way, never deletes it
     assert "step-00000002" not in storage.list_dir("")
+    (aside,) = storage.list_dir("set-aside")
+    assert aside.startswith("step-00000002.incomplete-")
+    assert storage.get(f"set-aside/{aside}/rank-00000-0.safetensors") == b"partial"
 
 
 def test_corrupt_object_on_s3_is_named(endpoint):
