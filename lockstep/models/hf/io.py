@@ -269,8 +269,6 @@ def load_hf(
     expected_hf, tied_optional = _expected_hf_shapes(adapter, model, config)
     if hasattr(adapter, "stored_hf_shapes"):  # a stored format other than state_to_hf's (GPT-OSS MXFP4 experts)
         expected_hf = adapter.stored_hf_shapes(expected_hf, hf_config)
-    if hasattr(adapter, "stored_hf_shapes"):  # a stored format other than state_to_hf's (GPT-OSS MXFP4 experts)
-        expected_hf = adapter.stored_hf_shapes(expected_hf, hf_config)
     files = hf_weight_files(path)
     where = f"{path / (WEIGHTS_NAME if (path / WEIGHTS_NAME).is_file() else INDEX_NAME)} ({spec.name})"
     _check_tensors(where, _shapes_of(files), expected_hf, ignore=IGNORED_HF_TENSORS.search, optional=tied_optional)
