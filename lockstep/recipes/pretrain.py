@@ -75,6 +75,13 @@ def debug_deepseek() -> TrainerConfig:
     return cfg
 
 
+@recipe("debug-gptoss", "tiny gpt_oss (sliding/full attention with sinks, clamped SwiGLU experts) on Shakespeare, for tests")
+def debug_gptoss() -> TrainerConfig:
+    cfg = debug()
+    cfg.model = model_config("gpt_oss", "debug")
+    return cfg
+
+
 @recipe("shakespeare-moe", "qwen3_moe tiny (16 experts, top-4) on Shakespeare in bf16")
 def shakespeare_moe() -> TrainerConfig:
     cfg = shakespeare()
