@@ -54,3 +54,29 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
         return self.weight * normed
+
+
+@dataclasses.dataclass(kw_only=True)
+class ZeroCenteredRMSNormConfig(NormConfig):
+    """RMSNorm whose stored weight is the scale minus one (Gemma, Qwen3-Next, Qwen3.5): zeros at init."""
+
+    #: epsilon override; 0 uses the model's norm_eps
+    eps: float = 0.0
+
+    def validate(self, path: str = "") -> None:
+        if self.eps:
+            require_positive(self.eps, f"{path}.eps")
+
+    def build(self, *, dim: int, eps: float) -> "ZeroCenteredRMSNorm":
+        return ZeroCenteredRMSNorm(dim, self.eps or eps)
+
+
+class ZeroCenteredRMSNorm(RMSNorm):
+    """y = x / rms(x) * (1 + weight), all in fp32 and cast back (as Hugging Face's Qwen3-Next)."""
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

@@ -35,8 +35,9 @@ from lockstep.models.common.norm import RMSNormConfig
 from lockstep.models.common.rope import RopeConfig
 from lockstep.models.common.transformer import TransformerConfig
 
-#: HF names of tensors that carry no weights (old checkpoints saved the RoPE table); skipped.
-IGNORED_HF_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+#: HF names of tensors that carry no weights (old checkpoints saved the RoPE table), or that belong to
+#: parts lockstep does not build (Qwen3-Next/Qwen3.5 MTP heads, Qwen3.5's vision tower); skipped.
+IGNORED_HF_TENSORS = re.compile(r"(^|\.)rotary_emb\.inv_freq$|^mtp\.|^model\.visual\.")
 
 _LAYER_MAP = {
     "input_layernorm.weight": "attention_norm.weight",

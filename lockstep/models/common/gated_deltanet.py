@@ -1,0 +1,165 @@
+"""Gated DeltaNet: the linear-attention token mixer of Qwen3-Next and Qwen3.5 hybrid layers.
+
+``x -> projections -> causal depthwise conv1d + SiLU over [q | k | v] -> L2-normed q, k ->
+gated delta rule (beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)) -> RMSNorm(out) *
+SiLU(z) per value head -> wo``. Parameter names follow Hugging Face's ``linear_attn`` so
+checkpoints map 1:1 (``wo`` is HF's ``out_proj``):
+
+* ``projection="split"`` (Qwen3.5): ``in_proj_qkv [2*Dk*Hk + Dv*Hv, D]``, ``in_proj_z``,
+  ``in_proj_b``, ``in_proj_a``.
+* ``projection="grouped"`` (Qwen3-Next): ``in_proj_qkvz`` and ``in_proj_ba``, whose rows are grouped
+  per key head: ``[q_h | k_h | v of its Hv/Hk value heads | z of them]`` and ``[b | a]`` likewise.
+
+It sits in an attention slot (``layers.i.attention``) and takes the block's ``(x, rope, cache)``
+call; RoPE is not used. Training runs the chunked kernel of :mod:`lockstep.models.common.delta_rule`
+(``chunk_size``); with a generation cache the layer reads and writes the sequence's conv window and
+delta-rule state through ``cache.recurrent_state()`` / ``cache.set_recurrent_state(conv, state)``
+and runs the recurrence for single-token steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lockstep.config.base import require, require_choice, require_positive
+from lockstep.models.common.attention import AttentionConfig
+from lockstep.models.common.delta_rule import chunk_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
+
+PROJECTIONS = ["split", "grouped"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class GatedDeltaNetConfig(AttentionConfig):
+    """A Gated DeltaNet layer; its head counts and sizes are its own (not the model's attention's)."""
+
+    #: query/key heads (Hugging Face ``linear_num_key_heads``)
+    n_k_heads: int = 4
+    #: value heads (``linear_num_value_heads``); a multiple of n_k_heads
+    n_v_heads: int = 8
+    #: size of each query/key head (``linear_key_head_dim``)
+    k_head_dim: int = 32
+    #: size of each value head (``linear_value_head_dim``)
+    v_head_dim: int = 32
+    #: kernel width of the causal depthwise convolution (``linear_conv_kernel_dim``)
+    conv_kernel: int = 4
+    #: input projection layout: "split" (Qwen3.5) or "grouped" (Qwen3-Next); see the module docstring
+    projection: str = "split"
+    #: tokens per chunk of the training kernel (a speed knob: any value computes the same function)
+    chunk_size: int = 64
+
+    def validate(self, path: str = "") -> None:
+        p = f"{path}." if path else ""
+        super().validate(path)
+        for name in ("n_k_heads", "n_v_heads", "k_head_dim", "v_head_dim", "conv_kernel", "chunk_size"):
+            require_positive(getattr(self, name), f"{p}{name}")
+        require(self.n_v_heads % self.n_k_heads == 0, f"{p}n_v_heads",
+                f"must be a multiple of n_k_heads={self.n_k_heads}, got {self.n_v_heads}")
+        require_choice(self.projection, PROJECTIONS, f"{p}projection")
+        require(not self.qk_norm and not self.qkv_bias, f"{p}qk_norm",
+                "Gated DeltaNet has no q/k RMSNorm (it L2-normalises) and no projection bias")
+
+    def build(self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float) -> "GatedDeltaNet":
+        return GatedDeltaNet(self, dim, norm_eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * rmsnorm(x) * silu(gate)`` over the last dim (norm in fp32, as Hugging Face's)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """See the module docstring; ``forward(x [B, T, D], rope, cache=None) -> [B, T, D]``."""
+
+    def __init__(self, config: GatedDeltaNetConfig, dim: int, norm_eps: float) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.n_k, self.n_v = config.n_k_heads, config.n_v_heads
+        self.dk, self.dv = config.k_head_dim, config.v_head_dim
+        self.key_dim, self.value_dim = self.n_k * self.dk, self.n_v * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        if config.projection == "grouped":
+            self.in_proj_qkvz = nn.Linear(dim, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(dim, 2 * self.n_v, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(dim, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(dim, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(dim, self.n_v, bias=False)
+            self.in_proj_a = nn.Linear(dim, self.n_v, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, config.conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.n_v))
+        self.A_log = nn.Parameter(torch.empty(self.n_v))
+        self.norm = GatedRMSNorm(self.dv, norm_eps)
+        self.wo = nn.Linear(self.value_dim, dim, bias=False)
+
+    def reset_parameters(self) -> None:
+        """dt_bias = 1, A ~ U(0.01, 16) (Hugging Face's init); the submodules initialise themselves."""
+        nn.init.ones_(self.dt_bias)
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> ``qkv [B, T, conv_dim]``, ``z [B, T, Hv, Dv]``, ``b, a [B, T, Hv]``."""
+        bsz, seq, _ = x.shape
+        if self.config.projection == "split":
+            return (self.in_proj_qkv(x), self.in_proj_z(x).view(bsz, seq, self.n_v, self.dv),
+                    self.in_proj_b(x), self.in_proj_a(x))
+        r = self.n_v // self.n_k
+        qkvz = self.in_proj_qkvz(x).view(bsz, seq, self.n_k, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+        b, a = self.in_proj_ba(x).view(bsz, seq, self.n_k, 2 * r).split([r, r], dim=-1)
+        qkv = torch.cat([t.reshape(bsz, seq, -1) for t in (q, k, v)], dim=-1)
+        return (qkv, z.reshape(bsz, seq, self.n_v, self.dv), b.reshape(bsz, seq, self.n_v),
+                a.reshape(bsz, seq, self.n_v))
+
+    def _conv(self, qkv: torch.Tensor, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Causal depthwise conv + SiLU over time; ``window [B, C, K-1]`` holds the inputs before
+        ``qkv`` (zeros at a sequence start). Returns the output ``[B, T, C]`` and the next window."""
+        x = qkv.transpose(1, 2)
+        k = self.config.conv_kernel
+        if window is None:
+            x = F.pad(x, (k - 1, 0))
+        else:
+            x = torch.cat([window.to(x.dtype), x], dim=-1)
+        out = F.silu(F.conv1d(x, self.conv1d.weight, groups=self.conv_dim))
+        return out.transpose(1, 2), x[:, :, x.shape[-1] - (k - 1):]
+
+    def forward(self, x: torch.Tensor, rope: Any = None, cache: Any = None) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        qkv, z, b, a = self._project(x)
+        window, state = cache.recurrent_state() if cache is not None else (None, None)
+        mixed, next_window = self._conv(qkv, window)
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2_normalize(q.reshape(bsz, seq, self.n_k, self.dk).float())
+        k = l2_normalize(k.reshape(bsz, seq, self.n_k, self.dk).float())
+        v = v.reshape(bsz, seq, self.n_v, self.dv)
+        if self.n_v != self.n_k:  # each key head serves n_v / n_k consecutive value heads
+            q = q.repeat_interleave(self.n_v // self.n_k, dim=2)
+            k = k.repeat_interleave(self.n_v // self.n_k, dim=2)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if cache is not None and seq == 1:
+            out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+        else:
+            out, state = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.config.chunk_size,
+                                                initial_state=state)
+        if cache is not None:
+            cache.set_recurrent_state(next_window, state)
+        out = self.norm(out.to(x.dtype), z)
+        return self.wo(out.reshape(bsz, seq, self.value_dim))
