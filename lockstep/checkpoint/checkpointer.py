@@ -30,7 +30,7 @@ from lockstep.checkpoint.dtypes import DTYPE_NAMES, SAFETENSORS_CODES
 from lockstep.checkpoint.format import INDEX, LATEST, CheckpointError, parse_step_dir, plan_shards, step_dir
 from lockstep.checkpoint.layout import Slot, owned_chunks
 from lockstep.checkpoint.shm import create_segment, remove_stale_segments
-from lockstep.checkpoint.storage import Storage
+from lockstep.checkpoint.storage import LocalStorage, Storage
 from lockstep.checkpoint.writer import (
     SaveJob, WritePlan, complete_steps, recover_leftovers, run_job, set_aside, writer_main,
 )
@@ -265,6 +265,25 @@ class Checkpointer:
     def complete_steps(self) -> list[int]:
         """Published checkpoints (with an index; not yet verified), oldest first."""
         return reading(self.storage, "listing checkpoints", lambda: complete_steps(self.storage))
+
+    def access_problem(self, step: int) -> str | None:
+        """Why checkpoint ``step``'s files cannot be opened for reading (permissions, I/O), or None. Asked
+        after a failed load, to tell an access problem (every checkpoint is as unreadable: no reason to
+        fall back) from damage, whatever error type the reader wrapped it in. Local storage only."""
+        if not isinstance(self.storage, LocalStorage):
+            return None
+        folder = self.storage.root / step_dir(step)
+        try:
+            for path in sorted(folder.iterdir()):
+                with open(path, "rb"):
+                    pass
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            reason = f"{err.strerror} (errno {err.errno})" if err.strerror else str(err)
+            return (f"{err.filename or folder}: loading checkpoint step {step} in {self.storage.describe()} "
+                    f"failed: {reason}")
+        return None
 
     def set_aside(self, step: int, reason: str) -> str:
         """Rank 0: move checkpoint ``step`` out of the way (kept; no longer loaded, counted or pruned)."""

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.checkpoint import Checkpointer
-from lockstep.checkpoint.checkpointer import CheckpointAccessError
+from lockstep.checkpoint.checkpointer import CheckpointAccessError, reading
 from lockstep.checkpoint.format import CheckpointError
 from lockstep.checkpoint.reader import read_index
 from lockstep.checkpoint.train_state import (
@@ -127,7 +127,6 @@ class CheckpointPolicy:
         skipped: list[dict] = []
         for step in candidates:
             error, loaded = self._try_load(step)
-            error = self._agreed(error)
             if error is None:
                 break
             if wanted:
@@ -147,29 +146,40 @@ class CheckpointPolicy:
 
     def _try_load(self, step: int) -> tuple[str | None, tuple | None]:
         """Check the config of checkpoint ``step`` and load its tensors: (None, what ``load`` returned),
-        or (why it failed -- its first line --, None) when it does not verify. ConfigError and access
-        errors propagate."""
+        or (why it failed -- its first line --, None) when it does not verify. A ConfigError propagates
+        (every rank reads the same index); an access error (permissions) is raised on every rank."""
         storage = self.checkpointer.storage
+        error = access = loaded = None
         try:
-            saved = read_index(storage, step).get("metadata", {}).get("config", {})
+            index = reading(storage, f"reading the step {step} index", lambda: read_index(storage, step))
+            saved = index.get("metadata", {}).get("config", {})
             changes = [c for c in config_changes(saved, to_dict(self.config)) if not _resumable(c, self.resumable)]
             if changes:  # a changed model would otherwise only list mismatched shapes
                 raise ConfigError(f"resume: the checkpoint at step {step} in {storage.describe()} was made with a "
                                   f"different config: {', '.join(changes)} changed (only "
                                   f"{', '.join(self.resumable)} may change)")
-            return None, self.checkpointer.load(self.slots(), step)
-        except CheckpointAccessError:
-            raise
+            loaded = self.checkpointer.load(self.slots(), step)
+        except CheckpointAccessError as err:
+            access = str(err)
         except CheckpointError as err:
-            return str(err).splitlines()[0], None
+            error = str(err).splitlines()[0]
+            access = self.checkpointer.access_problem(step)  # the reader may have wrapped a PermissionError
+        error = self._agreed(error, access)
+        return error, (loaded if error is None else None)
 
-    def _agreed(self, error: str | None) -> str | None:
-        """Every rank's verdict on one checkpoint: a failure on any rank (its shards) fails it for all."""
+    def _agreed(self, error: str | None, access: str | None) -> str | None:
+        """Every rank's verdict on one checkpoint: a failure on any rank (its shards) fails it for all,
+        and an access error on any rank is raised on all."""
         if self.world_size == 1:
+            if access is not None:
+                raise CheckpointAccessError(access)
             return error
-        errors: list = [None] * self.world_size
-        dist.all_gather_object(errors, error, group=self.group)
-        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        verdicts: list = [None] * self.world_size
+        dist.all_gather_object(verdicts, (error, access), group=self.group)
+        denied = [f"rank {r}: {a}" for r, (_, a) in enumerate(verdicts) if a is not None]
+        if denied:
+            raise CheckpointAccessError("; ".join(denied))
+        failed = [f"rank {r}: {e}" for r, (e, _) in enumerate(verdicts) if e is not None]
         return "; ".join(failed) if failed else None
 
     def _set_aside_newer(self, step: int, available: list[int], skipped: list[dict]) -> list[str]:
