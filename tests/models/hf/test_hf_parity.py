@@ -43,7 +43,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_logits_match_transformers(case, make_hf_dir, tokens):
     kind, overrides = CASES[case]
     hf, path = make_hf_dir(kind, **overrides)
-    model = load_hf(path).eval()
+    model = load_hf(path, allow_unverified=True).eval()
     with torch.no_grad():
         expected, got = hf(tokens).logits, model(tokens)
     diff = _max_diff(expected, got)
@@ -61,7 +61,7 @@ def test_llama3_rope_scaling_is_applied_not_ignored(make_hf_dir, tokens):
     cfg = load_hf_config(path)
     assert cfg.rope == RopeConfig(theta=500000.0, scaling="llama3", factor=8.0, low_freq_factor=1.0,
                                   high_freq_factor=4.0, original_max_position_embeddings=16)
-    unscaled = load_hf(path)
+    unscaled = load_hf(path, allow_unverified=True)
     unscaled.rope = RopeConfig(theta=500000.0).build(head_dim=16, max_seq_len=cfg.max_seq_len)
     unscaled.rope.reset_parameters()
     with torch.no_grad():
@@ -80,7 +80,7 @@ def test_legacy_rope_scaling_and_rope_theta_fields(make_hf_dir, tokens):
     assert load_hf_config(path).rope.scaling == "llama3"
     assert load_hf_config(path).rope.theta == 500000.0
     with torch.no_grad():
-        assert _max_diff(hf(tokens).logits, load_hf(path)(tokens)) <= TOL
+        assert _max_diff(hf(tokens).logits, load_hf(path, allow_unverified=True)(tokens)) <= TOL
 
 
 def test_sharded_checkpoint_loads(make_hf_dir, tokens):
@@ -88,18 +88,18 @@ def test_sharded_checkpoint_loads(make_hf_dir, tokens):
     assert (path / "model.safetensors.index.json").is_file()
     assert len(list(path.glob("model-*-of-*.safetensors"))) > 1
     with torch.no_grad():
-        assert _max_diff(hf(tokens).logits, load_hf(path)(tokens)) <= TOL
+        assert _max_diff(hf(tokens).logits, load_hf(path, allow_unverified=True)(tokens)) <= TOL
 
 
 def test_sdpa_transformers_matches_too(make_hf_dir, tokens):
     hf, path = make_hf_dir("llama", attn="sdpa")
     with torch.no_grad():
-        assert _max_diff(hf(tokens).logits, load_hf(path)(tokens)) <= TOL
+        assert _max_diff(hf(tokens).logits, load_hf(path, allow_unverified=True)(tokens)) <= TOL
 
 
 def test_dtype_argument(make_hf_dir, tokens):
     _, path = make_hf_dir("llama")
-    model = load_hf(path, dtype=torch.bfloat16)
+    model = load_hf(path, allow_unverified=True, dtype=torch.bfloat16)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert model.rope.cos.dtype == torch.float32  # tables are rebuilt, not cast
     assert model(tokens).dtype == torch.bfloat16
@@ -108,7 +108,7 @@ def test_dtype_argument(make_hf_dir, tokens):
 def test_gradients_match_transformers(make_hf_dir, tokens):
     hf, path = make_hf_dir("llama", num_key_value_heads=2)
     hf.train()
-    model = load_hf(path).train()
+    model = load_hf(path, allow_unverified=True).train()
 
     def loss_of(logits: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
@@ -132,12 +132,12 @@ def test_config_argument_may_change_only_what_keeps_the_function(make_hf_dir, to
     cfg = load_hf_config(path)
     other = dataclasses.replace(cfg, max_seq_len=64, flavor="mine",
                                 attention=dataclasses.replace(cfg.attention, backend="reference"))
-    model = load_hf(path, config=other)
+    model = load_hf(path, allow_unverified=True, config=other)
     assert model.config.attention.backend == "reference" and model.rope.cos.shape[0] == 64
     with torch.no_grad():
         assert _max_diff(hf(tokens).logits, model(tokens)) <= TOL
     with pytest.raises(ConfigError, match=r"model\.rope\.theta: checkpoint has 10000\.0, run config has 5\.0"):
-        load_hf(path, config=dataclasses.replace(cfg, rope=RopeConfig(theta=5.0)))
+        load_hf(path, allow_unverified=True, config=dataclasses.replace(cfg, rope=RopeConfig(theta=5.0)))
     with pytest.raises(ConfigError, match=r"model\.norm_eps"):
-        load_model(path, config=dataclasses.replace(cfg, norm_eps=1e-3), tokenizer=False)
-    assert _max_diff(load_model(path, config=other, tokenizer=False).model(tokens), model(tokens)) == 0.0
+        load_model(path, config=dataclasses.replace(cfg, norm_eps=1e-3), tokenizer=False, allow_unverified=True)
+    assert _max_diff(load_model(path, config=other, tokenizer=False, allow_unverified=True).model(tokens), model(tokens)) == 0.0

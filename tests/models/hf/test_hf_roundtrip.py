@@ -7,7 +7,6 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import save_model
 
 from lockstep.config.base import ConfigError, to_dict
 from lockstep.config.overrides import ComponentOverride
@@ -24,6 +23,7 @@ from lockstep.models.hf import (
 )
 from lockstep.models.hf.convert import cmd_convert, parse_size
 from lockstep.models.registry import model_config
+from lockstep.run.directory import save_weights
 
 import transformers
 TOL = 1e-4
@@ -136,11 +136,11 @@ def test_lockstep_dir_round_trip(family, tmp_path):
 
 
 def test_training_run_dir_reads_and_converts(tmp_path):
-    """A trainer run dir: manifest.json holds the config; save_model kept one name of the tie."""
+    """A trainer run dir: manifest.json holds the config; save_weights kept one name of the tie."""
     model = _lockstep_model("qwen3")  # tied
     run = tmp_path / "run"
     run.mkdir()
-    save_model(model, str(run / "model.safetensors"))
+    save_weights(model.state_dict(), run / "model.safetensors", tied=True)
     (run / "manifest.json").write_text(json.dumps({"recipe": {"model": to_dict(model.config)}}))
     tokens = torch.randint(0, 256, (1, 16))
     with torch.no_grad():
@@ -154,7 +154,7 @@ def test_training_run_dir_reads_and_converts(tmp_path):
 def test_cmd_convert_both_ways(make_hf_dir, tmp_path, tokens):
     hf, src = make_hf_dir("llama", num_key_value_heads=1)
     (src / "tokenizer.json").write_text("{}")  # copied verbatim, not parsed on --from-hf
-    assert cmd_convert(["--from-hf", str(src), "--out", str(tmp_path / "ls")]) == 0
+    assert cmd_convert(["--from-hf", str(src), "--allow-unverified-weights", "--out", str(tmp_path / "ls")]) == 0
     assert {p.name for p in (tmp_path / "ls").iterdir()} == {"model.safetensors", "lockstep_model.json",
                                                             "tokenizer.json"}
     ls = load_lockstep_dir(tmp_path / "ls")
@@ -166,7 +166,7 @@ def test_cmd_convert_both_ways(make_hf_dir, tmp_path, tokens):
     with torch.no_grad():
         assert _max_diff(hf(tokens).logits, ls(tokens)) <= TOL
         assert _max_diff(hf(tokens).logits, back(tokens).logits) <= TOL
-    assert cmd_convert(["--from-hf", str(src), "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    assert cmd_convert(["--from-hf", str(src), "--allow-unverified-weights", "--out", str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     assert load_lockstep_dir(tmp_path / "bf16").tok_embeddings.weight.dtype == torch.bfloat16
 
 
