@@ -82,6 +82,27 @@ def debug_gptoss() -> TrainerConfig:
     return cfg
 
 
+@recipe("debug-qwen35", "tiny qwen3_5 (Gated DeltaNet + gated attention 3:1, dense) on Shakespeare, for tests")
+def debug_qwen35() -> TrainerConfig:
+    cfg = debug()
+    cfg.model = model_config("qwen3_5", "debug")
+    return cfg
+
+
+@recipe("debug-qwen35-moe", "tiny qwen3_5 MoE (Gated DeltaNet hybrid, experts + gated shared expert), for tests")
+def debug_qwen35_moe() -> TrainerConfig:
+    cfg = debug()
+    cfg.model = model_config("qwen3_5", "debug-moe")
+    return cfg
+
+
+@recipe("debug-qwen3next", "tiny qwen3_next (Gated DeltaNet hybrid, grouped projections, MoE), for tests")
+def debug_qwen3next() -> TrainerConfig:
+    cfg = debug()
+    cfg.model = model_config("qwen3_next", "debug")
+    return cfg
+
+
 @recipe("shakespeare-moe", "qwen3_moe tiny (16 experts, top-4) on Shakespeare in bf16")
 def shakespeare_moe() -> TrainerConfig:
     cfg = shakespeare()

@@ -23,12 +23,16 @@ COMMON_SECTIONS = ("recipe", "model", "numerics", "kernels", "determinism", "par
 
 
 def model_kernels(model: torch.nn.Module) -> dict[str, Any]:
-    """The attention backends and MoE routing modes of an (unsplit) model."""
-    return {
-        "attention": sorted({layer.attention.backend_name for layer in model.layers.values()}),
+    """The attention backends, linear-attention kernels (hybrid models only) and MoE routing modes of
+    an (unsplit) model."""
+    mixers = [layer.attention for layer in model.layers.values()]
+    kernels = {
+        "attention": sorted({m.backend_name for m in mixers if hasattr(m, "backend_name")}),
         # forced_balanced ignores the router: its throughput is not learned routing's
         "moe_routing": sorted({m.routing_mode for m in model.modules() if hasattr(m, "routing_mode")}) or None,
     }
+    linear = sorted({m.kernel_name for m in mixers if hasattr(m, "kernel_name")})  # Gated DeltaNet layers
+    return {**kernels, "linear_attention": linear} if linear else kernels
 
 
 def run_manifest(run_dir: Path, config, *, model: dict, kernels: dict, runtime, checkpoint=None,

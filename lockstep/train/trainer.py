@@ -142,6 +142,7 @@ class Trainer:
             self.run_dir, self.config, model=info["model"], runtime=self.runtime, checkpoint=self.checkpointing,
             resumed=self.resumed, numerics_extra={"agreement": self.agreement},
             kernels={"attention": info["attention"], "moe_routing": info["moe_routing"],
+                     **{k: info[k] for k in ("linear_attention",) if k in info},  # hybrid models
                      "compute_dtype": self.config.training.dtype, "autocast": self.dtype != torch.float32},
             peak_flops=self.peak,
             data={

@@ -108,6 +108,11 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.dv, norm_eps)
         self.wo = nn.Linear(self.value_dim, dim, bias=False)
 
+    @property
+    def kernel_name(self) -> str:
+        """What the run manifest records as this layer's kernel."""
+        return f"chunked_delta_rule(chunk_size={self.config.chunk_size})"
+
     def reset_parameters(self) -> None:
         """dt_bias = 1, A ~ U(0.01, 16) (Hugging Face's init); the submodules initialise themselves."""
         nn.init.ones_(self.dt_bias)
