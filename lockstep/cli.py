@@ -17,6 +17,7 @@ import sys
 
 from lockstep.checkpoint.format import CheckpointError
 from lockstep.config.base import ConfigError, to_dict
+from lockstep.models.hf.verified import WeightsError
 from lockstep.run.directory import FilesystemError
 from lockstep.run.nonfinite import NonFiniteError
 
@@ -268,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return COMMANDS[argv[0]](argv[1:])
+    except WeightsError as err:  # a ConfigError: caught first for its own label
+        print(f"lockstep: weights error: {err}", file=sys.stderr)
+        return 2
     except ConfigError as err:
         print(f"lockstep: config error: {err}", file=sys.stderr)
         return 2
