@@ -9,11 +9,12 @@ Keys are ``/``-separated paths relative to the storage root.
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, runtime_checkable
 
 
 class StorageError(RuntimeError):
@@ -23,14 +24,15 @@ class StorageError(RuntimeError):
 @runtime_checkable
 class Storage(Protocol):
     """What the checkpointer needs from a backend. Implementations must be picklable (the
-    background writer process receives one)."""
+    background writer process receives one). Optionally ``open_read(key)``: the object as a binary
+    file with ``readinto`` and ``seek`` (``FileNotFoundError`` when absent), through which shards
+    are streamed, read once and verified on the way; without it the reader uses ``get``."""
 
     def put(self, key: str, chunks: list[memoryview | bytes]) -> None:
         """Write the concatenation of ``chunks`` to ``key``, durably (fsync'ed) when it returns."""
 
     def get(self, key: str) -> bytes:
         """The whole object; ``FileNotFoundError`` naming the key when absent."""
-
     def exists(self, key: str) -> bool: ...
 
     def list_dir(self, prefix: str) -> list[str]:
@@ -87,6 +89,12 @@ class LocalStorage:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such checkpoint file")
         return path.read_bytes()
+
+    def open_read(self, key: str) -> BinaryIO:
+        path = self._path(key)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no such checkpoint file")
+        return open(path, "rb", buffering=0)  # unbuffered: readinto lands straight in the caller's memory
 
     def exists(self, key: str) -> bool:
         return self._path(key).exists()
@@ -160,6 +168,9 @@ class S3Storage:
             return self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
         except self.client.exceptions.NoSuchKey:
             raise FileNotFoundError(f"{self.describe()}/{key}: no such checkpoint object") from None
+
+    def open_read(self, key: str) -> BinaryIO:
+        return io.BytesIO(self.get(key))
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
