@@ -21,6 +21,7 @@ a checksum that is present is always checked (docs/generation.md, "Verified weig
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import io
@@ -260,6 +261,37 @@ def require_checksums(headers: Iterable[WeightsHeader], allow_unverified: bool, 
                   stacklevel=3)
 
 
+class _Hasher:
+    """sha256 of the pieces handed to it, in order, computed on one worker thread (hashlib releases
+    the GIL) in batches of at least a chunk, so many small tensors cost few hand-offs."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self.digest = hashlib.sha256()
+        self.pool = pool
+        self.batch: list[memoryview] = []
+        self.size = 0
+        self.pending: collections.deque[Future] = collections.deque()
+
+    def add(self, piece: memoryview) -> None:
+        self.batch.append(piece)
+        self.size += len(piece)
+        if self.size >= _CHUNK:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.batch:
+            batch, self.batch, self.size = self.batch, [], 0
+            self.pending.append(self.pool.submit(lambda: [self.digest.update(p) for p in batch]))
+            if len(self.pending) > _QUEUED:  # bounded read-ahead
+                self.pending.popleft().result()
+
+    def hexdigest(self) -> str:
+        self._flush()
+        while self.pending:
+            self.pending.popleft().result()
+        return self.digest.hexdigest()
+
+
 def read_tensors(header: WeightsHeader, names: Iterable[str] | None = None, *,
                  dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """The tensors ``names`` (default: all) of a file; when it carries a checksum, every data byte is
@@ -268,10 +300,9 @@ def read_tensors(header: WeightsHeader, names: Iterable[str] | None = None, *,
     wanted = set(header.entries) if names is None else set(names)
     verify = header.checksum is not None
     out: dict[str, torch.Tensor] = {}
-    digest = hashlib.sha256()
-    pending: list[Future] = []
     try:
-        with open(header.path, "rb") as handle, ThreadPoolExecutor(max_workers=1) as hasher:
+        with open(header.path, "rb") as handle, ThreadPoolExecutor(max_workers=1) as pool:
+            hasher = _Hasher(pool)
             handle.seek(header.data_start)
             for name, entry in header.entries.items():
                 if name not in wanted and not verify:
@@ -283,21 +314,17 @@ def read_tensors(header: WeightsHeader, names: Iterable[str] | None = None, *,
                     stop = min(start + _CHUNK, entry.end - entry.begin)
                     # a fresh scratch buffer for bytes nobody wants: the hasher may still be reading the last one
                     piece = memoryview(data[start:stop]) if data is not None else memoryview(bytearray(stop - start))
-                    got = handle.readinto(piece)
-                    if got != stop - start:
+                    if handle.readinto(piece) != stop - start:
                         raise _corrupt(header.path, f"truncated while reading tensor {name!r} (the file shrank?)")
                     if verify:
-                        pending.append(hasher.submit(digest.update, piece))  # one worker: updates stay in order
-                        if len(pending) > _QUEUED:
-                            pending.pop(0).result()
+                        hasher.add(piece)
                 if tensor is not None:
                     out[name] = tensor
-            for future in pending:
-                future.result()
+            actual = hasher.hexdigest() if verify else None
     except OSError as err:
         raise WeightsError(f"{header.path}: cannot read ({err.strerror or err})") from None
-    if verify and digest.hexdigest() != header.checksum:
-        raise _corrupt(header.path, f"sha256 of the tensor data is {digest.hexdigest()[:16]}..., the header says "
+    if verify and actual != header.checksum:
+        raise _corrupt(header.path, f"sha256 of the tensor data is {actual[:16]}..., the header says "
                                     f"{header.checksum[:16]}... (bit rot, a partial copy or tampering)")
     for name, tensor in out.items():
         if dtype is not None and tensor.is_floating_point():

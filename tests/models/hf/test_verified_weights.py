@@ -110,7 +110,7 @@ def test_one_flipped_bit_in_run_weights_is_one_error_line_from_the_cli(run_dir):
     assert proc.returncode != 0 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert str(file) in lines[0] and "sha256" in lines[0]
+    assert lines[0].startswith("lockstep: weights error: ") and str(file) in lines[0] and "sha256" in lines[0]
 
 
 def test_truncated_run_weights(run_dir, capsys):
