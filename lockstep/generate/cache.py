@@ -58,6 +58,8 @@ def layer_layouts(model: nn.Module) -> dict[str, LayerLayout]:
     for name, block in model.layers.items():
         attn = block.attention
         path = f"layers.{name}.attention"
+        if hasattr(attn, "recurrent_state_shapes"):  # linear attention: lockstep.generate.recurrent
+            continue
         if isinstance(attn, MultiHeadLatentAttention):
             layouts[name] = LayerLayout("latent", 1, attn.kv_lora_rank + attn.qk_rope_head_dim, attn.kv_lora_rank)
         elif isinstance(attn, GroupedQueryAttention):

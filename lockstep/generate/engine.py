@@ -42,6 +42,7 @@ from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.packed import linear_kernel, pack_linears, packable, sibling_grouping_pass
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
+from lockstep.generate.recurrent import RecurrentStateCache
 from lockstep.generate.sampling import request_generator, sample_next
 from lockstep.generate.scheduler import Scheduler, Sequence
 from lockstep.generate.weights import ShadowWeights, parse_dtype
@@ -119,6 +120,10 @@ class Engine:
                                   in_place_decode=config.paged_attention)
         self.scheduler = Scheduler(self.cache.allocator, config.block_size, config.max_batch_size,
                                    config.max_prefill_tokens)
+        #: per-sequence state of linear-attention layers (hybrid models), None without such layers
+        self.recurrent = RecurrentStateCache.for_model(runner, config.max_batch_size, self.dtype, self.device)
+        #: what the model's trunk is handed: the paged KV cache, beside the recurrent state if any
+        self._model_cache = self.recurrent.wrap(self.cache) if self.recurrent is not None else self.cache
         #: optional hook, called as ``on_logits(seq_ids, logits [B, V] fp32)`` for every sampled row (tests, debugging)
         self.on_logits: Callable[[list[int], torch.Tensor], None] | None = None
         self._next_id = 0
@@ -149,6 +154,7 @@ class Engine:
     def abort(self, seq_id: int) -> GenerationResult | None:
         """Stop a queued or running sequence now and free its blocks; its partial result (or None)."""
         seq = self.scheduler.abort(seq_id)
+        self._free_recurrent()
         return None if seq is None else seq.result()
 
     @property
@@ -251,6 +257,7 @@ class Engine:
                 if active:
                     events += self._decode(active)
                 self.scheduler.release_finished()
+                self._free_recurrent()
         finally:
             for m in training:
                 m.training = True
@@ -294,8 +301,13 @@ class Engine:
     def _forward_last(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, V] of the last column of ``tokens`` (decode: the only one); the cast is
         here so that a compiled step fuses it (sampling reads fp32 logits either way)."""
-        h = self.runner.trunk(tokens, positions, cache=self.cache)[2]
+        h = self.runner.trunk(tokens, positions, cache=self._model_cache)[2]
         return self.runner.output(h[:, -1]).float()
+
+    def _free_recurrent(self) -> None:
+        """Return the recurrent-state slots of sequences no longer running (hybrid models)."""
+        if self.recurrent is not None:
+            self.recurrent.keep_only(s.seq_id for s in self.scheduler.running)
 
     def _prefill(self, seqs: list[Sequence]) -> list[StreamEvent]:
         lengths = torch.tensor([len(s.prompt_ids) for s in seqs])
@@ -307,7 +319,9 @@ class Engine:
         positions = torch.arange(t).expand(b, t) * valid
         tables = self._block_tables(seqs, -(-t // self.config.block_size))
         positions = self._set_step(tables, positions, valid)
-        h = self.runner.trunk(tokens.to(self.device), positions, cache=self.cache)[2]
+        if self.recurrent is not None:  # fresh states; padding after each prompt leaves them untouched
+            self.recurrent.set_step([s.seq_id for s in seqs], lengths, fresh=True)
+        h = self.runner.trunk(tokens.to(self.device), positions, cache=self._model_cache)[2]
         last = h[torch.arange(b, device=self.device), (lengths - 1).to(self.device)]
         return self._sample(seqs, self.runner.output(last).float())
 
@@ -327,6 +341,8 @@ class Engine:
         tables = self._block_tables(seqs, n_blocks, rows)
         valid = torch.arange(rows)[:, None] < b
         positions = self._set_step(tables, positions, valid)
+        if self.recurrent is not None:
+            self.recurrent.set_step([s.seq_id for s in seqs], rows=rows)
         tokens = tokens.to(self.device)
         if compiled:
             logits = self._compiled_decode(tokens, positions, (rows, n_blocks))

@@ -14,7 +14,9 @@ It sits in an attention slot (``layers.i.attention``) and takes the block's ``(x
 call; RoPE is not used. Training runs the chunked kernel of :mod:`lockstep.models.common.delta_rule`
 (``chunk_size``); with a generation cache the layer reads and writes the sequence's conv window and
 delta-rule state through ``cache.recurrent_state()`` / ``cache.set_recurrent_state(conv, state)``
-and runs the recurrence for single-token steps.
+(:mod:`lockstep.generate.recurrent`), runs the recurrence for single-token steps, and for a
+right-padded prefill (``cache.valid_lengths()``) zeroes ``g`` and ``beta`` of the padding so each
+row's state stops at its last real token.
 """
 
 from __future__ import annotations
@@ -133,9 +135,16 @@ class GatedDeltaNet(nn.Module):
         return (qkv, z.reshape(bsz, seq, self.n_v, self.dv), b.reshape(bsz, seq, self.n_v),
                 a.reshape(bsz, seq, self.n_v))
 
-    def _conv(self, qkv: torch.Tensor, window: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def recurrent_state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-sequence generation state: conv window ``[C, K-1]`` and delta-rule state ``[Hv, Dk, Dv]``
+        (:mod:`lockstep.generate.recurrent`)."""
+        return (self.conv_dim, self.config.conv_kernel - 1), (self.n_v, self.dk, self.dv)
+
+    def _conv(self, qkv: torch.Tensor, window: torch.Tensor | None, lengths: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal depthwise conv + SiLU over time; ``window [B, C, K-1]`` holds the inputs before
-        ``qkv`` (zeros at a sequence start). Returns the output ``[B, T, C]`` and the next window."""
+        ``qkv`` (zeros at a sequence start). Returns the output ``[B, T, C]`` and the window after
+        each row's last real token (``lengths``; all ``T`` when None)."""
         x = qkv.transpose(1, 2)
         k = self.config.conv_kernel
         if window is None:
@@ -143,13 +152,17 @@ class GatedDeltaNet(nn.Module):
         else:
             x = torch.cat([window.to(x.dtype), x], dim=-1)
         out = F.silu(F.conv1d(x, self.conv1d.weight, groups=self.conv_dim))
-        return out.transpose(1, 2), x[:, :, x.shape[-1] - (k - 1):]
+        if lengths is None:
+            return out.transpose(1, 2), x[:, :, x.shape[-1] - (k - 1):]
+        index = (lengths[:, None] + torch.arange(k - 1, device=x.device))[:, None].expand(-1, x.shape[1], -1)
+        return out.transpose(1, 2), x.gather(2, index)
 
     def forward(self, x: torch.Tensor, rope: Any = None, cache: Any = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
         qkv, z, b, a = self._project(x)
         window, state = cache.recurrent_state() if cache is not None else (None, None)
-        mixed, next_window = self._conv(qkv, window)
+        lengths = cache.valid_lengths() if cache is not None else None
+        mixed, next_window = self._conv(qkv, window, lengths)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = l2_normalize(q.reshape(bsz, seq, self.n_k, self.dk).float())
         k = l2_normalize(k.reshape(bsz, seq, self.n_k, self.dk).float())
@@ -159,6 +172,9 @@ class GatedDeltaNet(nn.Module):
             k = k.repeat_interleave(self.n_v // self.n_k, dim=2)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        if lengths is not None:  # right padding of a batched prefill: no decay, no write
+            real = torch.arange(seq, device=x.device)[None] < lengths[:, None]
+            g, beta = g * real[..., None], beta * real[..., None]
         if cache is not None and seq == 1:
             out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
         else:
