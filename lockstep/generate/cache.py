@@ -131,15 +131,17 @@ class LayerCache:
 
         A decode step of a backend with a paged variant (``sdpa`` on CPU) reads the context in place
         from the pools (:mod:`lockstep.ops.paged_attention`) instead of gathering it. ``sink_window``:
-        the ``sinks`` / ``window`` keywords of :mod:`lockstep.ops.attention` (GPT-OSS), passed to the
-        gathered-context kernel (the paged kernel has neither)."""
+        the ``sinks`` / ``window`` keywords of :mod:`lockstep.ops.attention` (GPT-OSS), for the kernels
+        that take them (a paged kernel without them is skipped)."""
         k_pool, v_pool = self.pools
-        paged = None if sink_window else self.owner.paged.get(backend)
+        paged = self.owner.paged.get(backend)
+        if sink_window and paged is not None and not paged.sinks_and_windows:
+            paged = None
         if paged is not None and paged.usable(q, k_pool, v_pool):
             meta = self.owner.meta
             self._store(k_pool, k.transpose(1, 2))
             self._store(v_pool, v.transpose(1, 2))
-            return paged.attend(q, k_pool, v_pool, meta.block_tables, meta.q_positions, scale)
+            return paged.attend(q, k_pool, v_pool, meta.block_tables, meta.q_positions, scale, **sink_window)
         k_ctx = self._store_and_gather(k_pool, k.transpose(1, 2)).transpose(1, 2)
         v_ctx = self._store_and_gather(v_pool, v.transpose(1, 2)).transpose(1, 2)
         fn = get_cached_attention(backend)

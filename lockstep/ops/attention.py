@@ -61,8 +61,10 @@ class PagedAttention:
     #: ``usable(q, k_pool, v_pool)``: whether one call's shapes and dtypes fit (traceable checks only)
     usable: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], bool]
     #: ``attend(q [B, H, 1, D], k_pool, v_pool [blocks, block_size, Hkv, D], block_tables [B, W],
-    #: q_positions [B, 1], scale: float | None) -> [B, H, 1, D]``
+    #: q_positions [B, 1], scale: float | None, **sink_window) -> [B, H, 1, D]``
     attend: Callable[..., torch.Tensor]
+    #: whether ``attend`` takes the ``sinks`` / ``window`` keywords (layers with them skip a kernel without)
+    sinks_and_windows: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -355,11 +357,14 @@ def _sdpa_paged_available(device: torch.device) -> bool:
 
 
 def _sdpa_paged(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                q_positions: torch.Tensor, scale: float | None) -> torch.Tensor:
+                q_positions: torch.Tensor, scale: float | None, sinks: torch.Tensor | None = None,
+                window: int = 0) -> torch.Tensor:
     scale = paged_attention.default_scale(q.shape[-1]) if scale is None else scale
-    return torch.ops.lockstep.paged_decode_attention(q, k_pool, v_pool, block_tables, q_positions, scale)
+    return torch.ops.lockstep.paged_decode_attention(q, k_pool, v_pool, block_tables, q_positions, scale,
+                                                     sinks, window)
 
 
 register_attention_backend("sdpa", forward=sdpa_attention, cached=sdpa_cached_attention,
-                           paged=PagedAttention(_sdpa_paged_available, paged_attention.usable, _sdpa_paged))
+                           paged=PagedAttention(_sdpa_paged_available, paged_attention.usable, _sdpa_paged,
+                                                sinks_and_windows=True))
 register_attention_backend("reference", forward=reference_attention, cached=reference_cached_attention)

@@ -6,7 +6,8 @@ and values where they sit in the block pools, through the block tables, once per
 for all the query heads that share them. fp32 arithmetic, softmax with the row maximum subtracted
 (the C file states the order); close to SDPA (tested), not its bits. Built per
 :mod:`~lockstep.ops.isa` level: an AVX-512 path (levels avx512 and amx) and a portable one, both
-tested wherever they run. Used by
+tested wherever they run. Optional attention sinks (per-head logits in every softmax denominator)
+and a sliding window (only the last ``window`` positions are read) for GPT-OSS. Used by
 :meth:`lockstep.generate.cache.LayerCache.attend` for the ``sdpa`` backend on CPU when
 :func:`usable` says so; the batch-invariant and reference backends never take it.
 
@@ -43,7 +44,7 @@ def _built(level: str) -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode_attention.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.paged_decode_attention.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ptr, i64]
     lib.paged_decode_attention.restype = None
     return lib
 
@@ -64,22 +65,27 @@ def usable(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
 
 _LIB = torch.library.Library("lockstep", "FRAGMENT")
 _LIB.define("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, "
-            "Tensor positions, float scale) -> Tensor")
+            "Tensor positions, float scale, Tensor? sinks=None, int window=0) -> Tensor")
 
 
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                           positions: torch.Tensor, scale: float) -> torch.Tensor:
+                           positions: torch.Tensor, scale: float, sinks: torch.Tensor | None = None,
+                           window: int = 0) -> torch.Tensor:
     """``q [B, H, 1, D]``, pools ``[blocks, block_size, Hkv, D]``, ``block_tables [B, W]`` (int64),
-    ``positions [B, 1]`` (query b attends context positions 0..positions[b]) -> ``[B, H, 1, D]``."""
+    ``positions [B, 1]`` (query b attends context positions 0..positions[b]) -> ``[B, H, 1, D]``.
+    ``sinks [H]``: per-head logits in the softmax denominator; ``window`` > 0: only positions
+    ``positions[b] - window < s`` are read."""
     b, heads, _, d = q.shape
     _, block_size, kv_heads, _ = k_pool.shape
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     pos = positions.reshape(b).to(torch.int64).contiguous()
     out = torch.empty_like(q)
+    sink_logits = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     _library().paged_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(),
                                       pos.data_ptr(), out.data_ptr(), b, heads, kv_heads, d, block_size,
-                                      tables.shape[1], scale, int(q.dtype == torch.bfloat16))
+                                      tables.shape[1], scale, int(q.dtype == torch.bfloat16),
+                                      None if sink_logits is None else sink_logits.data_ptr(), int(window))
     return out
 
 
@@ -87,7 +93,7 @@ _LIB.impl("paged_decode_attention", paged_decode_attention, "CPU")
 
 
 @torch.library.register_fake("lockstep::paged_decode_attention")
-def _(q, k_pool, v_pool, block_tables, positions, scale):
+def _(q, k_pool, v_pool, block_tables, positions, scale, sinks=None, window=0):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 

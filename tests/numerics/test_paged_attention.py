@@ -75,3 +75,24 @@ def test_unusable_shapes_are_declined():
     assert not paged_attention.usable(q.to(torch.bfloat16), k_pool, v_pool)  # dtype mismatch
     assert not paged_attention.usable(q[..., :40], k_pool[..., :40], v_pool[..., :40])  # d % 16
     assert not paged_attention.usable(q.requires_grad_(), k_pool, v_pool)
+
+
+@pytest.mark.parametrize("isa_level", PATHS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 2, 64), (9, 3, 16), (40, 2, 16)])
+@pytest.mark.parametrize("sink,window", [(True, 0), (False, 5), (True, 5), (True, 1), (True, 30)])
+def test_sinks_and_windows_match_gather_and_sdpa(dtype, heads, kv_heads, d, sink, window, isa_level):
+    """GPT-OSS: sink logits in the denominator and a window (5 and 1 divide no block of 4; 30 spans the
+    whole table); blocks before a row's window are replaced by the null block, as never read."""
+    q, k_pool, v_pool, tables, positions = _case(5, heads, kv_heads, d, block_size=4, width=6, dtype=dtype, seed=2)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(3)) * 2 if sink else None
+    if window:
+        first_block = (positions[:, 0] + 1 - window).clamp(min=0) // 4
+        tables = torch.where(torch.arange(6)[None] < first_block[:, None], 0, tables)
+    got = torch.ops.lockstep.paged_decode_attention(q, k_pool, v_pool, tables, positions, d**-0.5, sinks, window)
+    b, width = tables.shape
+    k = k_pool.index_select(0, tables.reshape(-1)).view(b, width * 4, kv_heads, d).transpose(1, 2)
+    v = v_pool.index_select(0, tables.reshape(-1)).view(b, width * 4, kv_heads, d).transpose(1, 2)
+    want = sdpa_cached_attention(q.float(), k.float(), v.float(), q_positions=positions, scale=d**-0.5,
+                                 sinks=sinks, window=window).to(dtype)
+    torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE[dtype])
