@@ -68,7 +68,6 @@ class ParallelConfig(Config):
         dp_shard = world_size // others if self.dp_shard == -1 else self.dp_shard
         if self.ep > 1:
             require(dp_shard % self.ep == 0, "parallel.ep", f"{self.ep} must divide dp_shard={dp_shard}")
-            require(self.tp == 1, "parallel.ep", "expert parallel with tp > 1 is not supported yet")
             require(self.dp_replicate == 1 and dp_shard == self.ep, "parallel.ep",
                     f"expert parallel currently needs ep == dp_shard and dp_replicate == 1 "
                     f"(experts are left out of FSDP); got ep={self.ep}, dp_shard={dp_shard}, "

@@ -50,6 +50,13 @@ from lockstep.config.base import ConfigError
 from lockstep.models.common.moe import GroupedExperts, MoE
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
+#: per-expert biases some families have (``None`` on the module when absent)
+EXPERT_BIASES = ("b1", "b2", "b3")
+
+
+def expert_tensor_names(module: nn.Module) -> list[str]:
+    """The per-expert ``[E, ...]`` parameters ``module`` holds: the weights and any present biases."""
+    return [n for n in EXPERT_WEIGHTS + EXPERT_BIASES if getattr(module, n, None) is not None]
 
 
 def _group_of(ep_group):
@@ -109,7 +116,11 @@ class ExpertParallelExperts(GroupedExperts):
         self.n_experts, self.dim, self.hidden_dim, self.impl = n_local, experts.dim, experts.hidden_dim, experts.impl
         self.init_std, self.out_init_std = experts.init_std, experts.out_init_std
         self.expert_offset = self.ep_rank * n_local
-        for name in EXPERT_WEIGHTS:
+        # whatever else the family's experts carry (an activation, biases: sliced like the weights)
+        self.activation = getattr(experts, "activation", None)
+        for name in EXPERT_BIASES:
+            setattr(self, name, None)
+        for name in expert_tensor_names(experts):
             full = getattr(experts, name)
             local = full.detach()[self.expert_offset:self.expert_offset + n_local].clone()
             setattr(self, name, nn.Parameter(local, requires_grad=full.requires_grad))
@@ -121,11 +132,10 @@ class ExpertParallelExperts(GroupedExperts):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Draw the full ``[E, ...]`` weights as GroupedExperts would and keep this rank's slice."""
-        lo, hi = self.expert_offset, self.expert_offset + self.n_experts
-        for name, std in (("w1", self.init_std), ("w3", self.init_std), ("w2", self.out_init_std)):
-            w = getattr(self, name)
-            full = torch.empty((self.n_global_experts, *w.shape[1:]), dtype=w.dtype, device=w.device)
-            w.copy_(nn.init.normal_(full, mean=0.0, std=std)[lo:hi])
+        _reset_slice(self, self.n_global_experts, self.expert_offset)
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _local_weights(self)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         if self.ep_size == 1:
@@ -147,10 +157,77 @@ class ExpertParallelExperts(GroupedExperts):
         if grouped.shape[0]:
             out = super().forward(grouped, local_counts)
         else:  # nothing routed here: stay in the graph so the reverse exchanges still run on backward
-            out = grouped * 0 + sum(getattr(self, n).sum() for n in EXPERT_WEIGHTS) * 0
+            out = grouped * 0 + sum(w.sum() for w in self.local_weights()) * 0
         restored = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=x.device))
         out = out[restored]
         return all_to_all(out, in_splits, out_splits, self.group)
+
+
+def _local_weights(module: GroupedExperts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The weights as this rank computes with them: local shards of tensor-parallel (DTensor) ones."""
+    from torch.distributed.tensor import DTensor
+
+    return tuple(w.to_local() if isinstance(w, DTensor) else w  # type: ignore[return-value]
+                 for w in (module.w1, module.w2, module.w3))
+
+
+@torch.no_grad()
+def _reset_slice(module: GroupedExperts, n_global: int, offset: int) -> None:
+    """Draw the full ``[E, ...]`` weights as GroupedExperts would and keep this rank's slice: experts
+    ``[offset, offset + n_experts)``, and under expert TP this rank's chunk of the hidden dim."""
+    from torch.distributed.tensor import DTensor
+
+    lo, hi = offset, offset + module.n_experts
+    for name, std in (("w1", module.init_std), ("w3", module.init_std), ("w2", module.out_init_std)):
+        w = getattr(module, name)
+        full = torch.empty((n_global, *w.shape[1:]), dtype=w.dtype, device=w.device)
+        part = nn.init.normal_(full, mean=0.0, std=std)[lo:hi]
+        if isinstance(w, DTensor):
+            dim = w.placements[0].dim
+            mesh = w.device_mesh
+            part = part.chunk(mesh.size(), dim=dim)[mesh.get_local_rank()]
+            w = w.to_local()
+        w.copy_(part)
+    for name in EXPERT_BIASES:
+        if getattr(module, name, None) is not None:
+            nn.init.zeros_(getattr(module, name))
+
+
+class TensorParallelExperts(GroupedExperts):
+    """A :class:`GroupedExperts` whose weights are DTensors split over the tp mesh on the hidden dim
+    (``w1`` / ``w3`` ``Shard(1)``, ``w2`` ``Shard(2)``): it computes every expert's partial output
+    from its local shards (the caller sums the partials over tp)."""
+
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _local_weights(self)
+
+    def reset_parameters(self) -> None:
+        _reset_slice(self, self.n_experts, 0)
+
+
+#: the hidden dim of each expert weight (``w1, w3 [E, F, D]``, ``w2 [E, D, F]``)
+HIDDEN_DIM = {"w1": 1, "w3": 1, "w2": 2}
+
+
+def apply_expert_tensor_parallel(moe: MoE, tp_mesh) -> None:
+    """Split the hidden dim of every routed expert of ``moe`` over ``tp_mesh`` (a 1-D DeviceMesh), in
+    place: the experts (a GroupedExperts, or an ExpertParallelExperts already split over ep) keep
+    their slice as DTensor parameters, chunk ``r`` of the hidden dim on tp rank ``r``. Every tp rank
+    must hold the same weights before (they are sliced locally, no communication)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    experts = moe.experts
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    if experts.hidden_dim % tp:
+        raise ConfigError(f"parallel.tp: {tp} does not divide the expert hidden size "
+                          f"model.feed_forward.moe_ffn_dim={experts.hidden_dim}")
+    if not isinstance(experts, ExpertParallelExperts):
+        experts.__class__ = TensorParallelExperts  # the same module and state, computing from local shards
+    for name, dim in HIDDEN_DIM.items():
+        w = getattr(experts, name)
+        local = w.detach().chunk(tp, dim=dim)[rank].clone()
+        setattr(experts, name, nn.Parameter(DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False),
+                                             requires_grad=w.requires_grad))
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
@@ -239,7 +316,7 @@ def gather_full_experts(model: nn.Module, ep_group=None) -> dict[str, torch.Tens
     ep = dist.get_world_size(group)
     out = {}
     for name, module in expert_modules(model):
-        for w in EXPERT_WEIGHTS:
+        for w in expert_tensor_names(module):
             local = _full_tensor(getattr(module, w)).detach().contiguous()
             parts = [torch.empty_like(local) for _ in range(ep)]
             dist.all_gather(parts, local, group=group)
@@ -288,7 +365,7 @@ def load_expert_state_dict_full(model: nn.Module, state_dict: dict, strict: bool
     sd = dict(state_dict)
     for name, module in expert_modules(model):
         lo, hi = module.expert_offset, module.expert_offset + module.n_experts
-        for w in EXPERT_WEIGHTS:
+        for w in expert_tensor_names(module):
             key = f"{name}.{w}" if name else w
             if key in sd:
                 full = sd[key]

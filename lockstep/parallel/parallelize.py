@@ -1,9 +1,10 @@
-"""The parallelize plan of the dense decoder (llama3, qwen3): TP/SP layout and FSDP units.
+"""The parallelize plan of the decoder families: TP/SP layout, expert parallelism and FSDP units.
 
 Applied from outside the model (the model never sees a mesh). TP follows the Megatron
 split (q/k/v and w1/w3 column-wise, wo and w2 row-wise) with sequence parallel norms between, the
 embedding output sharded on the sequence, and the head's logits left sharded on the vocabulary for
-loss-parallel cross-entropy.
+loss-parallel cross-entropy. MLA attention, MoE feed-forwards (expert TP, with or without ep) and
+DeepSeek's MTP layers take the plans of :mod:`lockstep.parallel.tp_blocks`.
 """
 
 from __future__ import annotations
@@ -20,43 +21,75 @@ from torch.distributed.tensor.parallel import (
 
 from lockstep.config.base import ConfigError
 from lockstep.models.common.attention import GroupedQueryAttention
+from lockstep.models.common.mla import MultiHeadLatentAttention
 from lockstep.models.common.mlp import SwiGLU
+from lockstep.models.common.moe import MoE
 from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.expert import apply_expert_parallel, expert_parameters
 from lockstep.parallel.fsdp import apply_fsdp, dp_mesh
+from lockstep.parallel.tp_blocks import (check_tp_divides, install_mla_hooks, install_moe_tp, install_mtp_tp, mla_plan, moe_plan,
+                                        replicate_auxiliary_losses)
 
 
 def apply_dense_tp(model: nn.Module, tp_mesh) -> None:
+    """The TP plan of every block kind: GQA or MLA attention, SwiGLU or MoE feed-forward (MLA, MoE
+    and MTP pieces from :mod:`lockstep.parallel.tp_blocks`). Refuses other block kinds."""
+    _require_tp_blocks(model)
+    check_tp_divides(model, tp_mesh.size())
+    mtp = getattr(model, "mtp", None)
+    # MTP slices the embeddings and final hidden states along the sequence: keep the residual stream
+    # as DTensors so those are slices of the whole sequence, not of this rank's shard
+    residual_dtensor = mtp is not None
     parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                          use_local_output=not residual_dtensor),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     })
     for block in model.layers.values():
-        plan = {
-            "attention_norm": SequenceParallel(),
+        _apply_block_tp(block, tp_mesh, residual_dtensor)
+    for layer in (mtp.values() if mtp is not None else ()):
+        _apply_block_tp(layer.block, tp_mesh, residual_dtensor)
+        install_mtp_tp(layer, tp_mesh)
+    replicate_auxiliary_losses(model, tp_mesh)
+    # Both the embedding (row-wise) and the head (column-wise) shard the vocabulary dim, so a tied
+    # pair stays one parameter: re-tie, since each parallelize call made its own DTensor.
+    if model.config.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+
+
+def _apply_block_tp(block: nn.Module, tp_mesh, residual_dtensor: bool) -> None:
+    local = not residual_dtensor
+    plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+    if isinstance(block.attention, MultiHeadLatentAttention):
+        plan.update(mla_plan(block))
+        plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=local)
+        install_mla_hooks(block.attention, tp_mesh)
+    else:
+        plan.update({
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        }
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=local),
+        })
         if block.attention.q_norm is not None:
             # q/k norms act per head on [B, T, heads, D]: heads are sharded, the weight is shared,
             # so treat the head dim like a sequence dim (replicated weight, reduced gradient).
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        parallelize_module(block, tp_mesh, plan)
-    # Both the embedding (row-wise) and the head (column-wise) shard the vocabulary dim, so a tied
-    # pair stays one parameter: re-tie, since each parallelize call made its own DTensor.
-    if model.config.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+    if isinstance(block.feed_forward, MoE):
+        plan.update(moe_plan(shared=block.feed_forward.shared_experts is not None, residual_dtensor=residual_dtensor))
+        install_moe_tp(block.feed_forward, tp_mesh)
+    else:
+        plan.update({
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=local),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    parallelize_module(block, tp_mesh, plan)
 
 
 def _share_expert_counts(model: nn.Module, dims: ParallelDims, mesh) -> None:
@@ -79,13 +112,16 @@ def _share_expert_counts(model: nn.Module, dims: ParallelDims, mesh) -> None:
             module.reduce_counts = reduce
 
 
-def _require_dense_blocks(model: nn.Module) -> None:
-    for name, block in model.layers.items():
-        if not isinstance(block.attention, GroupedQueryAttention) or not isinstance(block.feed_forward, SwiGLU):
+def _require_tp_blocks(model: nn.Module) -> None:
+    attention = (GroupedQueryAttention, MultiHeadLatentAttention)
+    blocks = dict(model.layers.items())
+    blocks.update({f"mtp.{k}.block": layer.block for k, layer in (getattr(model, "mtp", None) or {}).items()})
+    for name, block in blocks.items():
+        if not isinstance(block.attention, attention) or not isinstance(block.feed_forward, (SwiGLU, MoE)):
             raise ConfigError(
-                f"parallel.tp: the tensor-parallel plan covers GQA attention + SwiGLU blocks; layers.{name} "
-                f"has {type(block.attention).__name__} + {type(block.feed_forward).__name__} "
-                f"({model.config.family}); use dp_shard/dp_replicate for this family"
+                f"parallel.tp: the tensor-parallel plan covers GQA or MLA attention + SwiGLU or MoE blocks; "
+                f"{name if name.startswith('mtp') else 'layers.' + name} has {type(block.attention).__name__} + "
+                f"{type(block.feed_forward).__name__} ({model.config.family}); use dp_shard/dp_replicate for this family"
             )
 
 
@@ -103,10 +139,10 @@ def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: Parall
     if dims.ep > 1:
         # experts split over ep and kept out of FSDP (each ep rank owns its slice whole)
         apply_expert_parallel(model, mesh["ep"])
-        expert_params = set(expert_parameters(model))
-    if dims.tp > 1:
-        _require_dense_blocks(model)
+    if dims.tp > 1:  # after ep: expert TP splits each ep rank's experts on their hidden dim
         apply_dense_tp(model, mesh["tp"])
+    if dims.ep > 1:
+        expert_params = set(expert_parameters(model))
     apply_activation_checkpointing(model, activation_checkpoint)
     if dims.dp > 1:
         apply_fsdp(model, list(model.layers.values()), dp_mesh(mesh, dims), config.fsdp_param_dtype,

@@ -1,13 +1,17 @@
 """The parallel layouts proven by loss-parity tests, in one list the test and the manifest share.
 
 Each entry: test id, recipe, world size, degrees (ParallelConfig fields that differ from the
-defaults) and extra CLI flags. ``tests/parallel/test_loss_parity.py`` runs every entry against one
-process; a run's manifest names the entry its layout corresponds to, or says it has none.
+defaults) and extra CLI flags (model flags: the one-process reference runs with them too).
+``tests/parallel/test_loss_parity.py`` runs every entry against one process; a run's manifest names the entry its layout corresponds to, or says it has none.
 """
 
 from __future__ import annotations
 
 FOUR_LAYERS = ["--model.n-layers", "4"]  # interleaved / V schedules place 2 stages per rank
+# DeepSeek-V3's aux-loss-free bias update and sequence-wise balance loss (off in the debug recipe)
+BALANCING = ["--model.feed-forward.bias-update-speed", "0.01", "--model.feed-forward.seq-aux-loss-coef", "0.01"]
+#: layouts whose parameters after the steps are compared with one process as well as their losses
+PARAMS_CHECKED = {"tp=2 deepseek (MLA, expert TP, MTP)", "tp=2 moe (expert TP)", "tp=2 x ep=2 moe"}
 
 TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("dp_shard=2", "debug", 2, {"dp_shard": 2}, []),
@@ -20,9 +24,14 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("ep=2 x dp_shard=2 moe", "debug-moe", 2, {"dp_shard": 2, "ep": 2}, []),
     # MLA + MoE whose aux-loss-free bias update must see the counts of both ranks, + MTP loss
     ("dp_shard=2 deepseek", "debug-deepseek", 2, {"dp_shard": 2}, []),
+    # tensor parallel over MLA (heads split, latent replicated), MoE (expert TP: each expert's hidden
+    # dim split, router replicated) and the MTP layer, with bias balancing and the sequence aux loss on
+    ("tp=2 deepseek (MLA, expert TP, MTP)", "debug-deepseek", 2, {"tp": 2}, BALANCING),
+    ("tp=2 moe (expert TP)", "debug-moe", 2, {"tp": 2}, []),
+    ("tp=2 x ep=2 moe", "debug-moe", 4, {"dp_shard": 2, "ep": 2, "tp": 2}, []),
     ("cp=2 allgather", "debug", 2, {"cp": 2}, []),
     ("cp=2 ring x dp_shard=2", "debug", 4, {"cp": 2, "cp_method": "ring", "dp_shard": 2}, []),
-    # MoE under cp: every rank's expert-load metrics reach the record (tp and pp refuse MoE blocks)
+    # MoE under cp: every rank's expert-load metrics reach the record (pp refuses MoE blocks)
     ("cp=2 moe", "debug-moe", 2, {"cp": 2}, []),
     ("pp=2 1F1B", "debug", 2, {"pp": 2}, []),
     ("pp=2 ZBVZeroBubble", "debug", 2, {"pp": 2, "pp_schedule": "ZBVZeroBubble"}, FOUR_LAYERS),

@@ -4,6 +4,12 @@
 order (sharded grads reduce-scattered, TP partial sums all-reduced, different thread counts), which
 moves fp32 losses of ~8 by a few 1e-7 per step; a wrong gradient moves them by >1e-3 (measured:
 an untied-by-accident embedding under TP differed by 7e-3 at step 2).
+
+Layouts in ``PARAMS_CHECKED`` also compare every saved parameter after the 5 steps: within 5e-5
+absolute. AdamW's normalised step turns the ~1e-7 relative gradient noise of a reordered reduction
+into parameter differences of up to ~1e-5 (measured: 7e-6 for ep=2 x dp_shard=2, 1e-5 for the tp
+layouts); a missing gradient reduction moves parameters by ~lr = 3e-3 (measured: MLA under tp=2
+without the shared rotary key's gradient sum, 1.5e-2 on ``wkv_a``, while its losses moved 2e-4).
 """
 
 import json
@@ -13,17 +19,18 @@ import sys
 
 import pytest
 
-from lockstep.parallel.tested_layouts import FOUR_LAYERS, TESTED_LAYOUTS, degree_flags
+from lockstep.parallel.tested_layouts import PARAMS_CHECKED, TESTED_LAYOUTS, degree_flags
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
 
-COMMON = ["--steps", "5", "--validation.every", "0", "--output.no-progress", "--output.sample-tokens", "0",
-          "--output.no-save-weights"]
+COMMON = ["--steps", "5", "--validation.every", "0", "--output.no-progress", "--output.sample-tokens", "0"]
 
 
-def _train(run_dir, recipe, nproc=1, extra=()):
+def _train(run_dir, recipe, nproc=1, extra=(), save_weights=False):
     cmd = [sys.executable, "-m", "lockstep.cli", "train", "--recipe", recipe, "--run-dir", str(run_dir),
            *COMMON, *extra]
+    if not save_weights:
+        cmd.append("--output.no-save-weights")
     if nproc > 1:
         cmd += ["--nproc", str(nproc)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
@@ -35,31 +42,41 @@ def _train(run_dir, recipe, nproc=1, extra=()):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One-process losses per (recipe, model flags), computed once each on first use."""
+    """One-process (losses, run dir with model.safetensors) per (recipe, model flags), computed once
+    each on first use."""
     root = tmp_path_factory.mktemp("ref")
     cache = {}
 
     def get(recipe, model_flags=()):
         key = (recipe, tuple(model_flags))
         if key not in cache:
-            cache[key] = [r["loss"] for r in _train(root / f"{recipe}-{len(cache)}", recipe, extra=model_flags)[0]]
+            records, run_dir = _train(root / f"{recipe}-{len(cache)}", recipe, extra=model_flags, save_weights=True)
+            cache[key] = [r["loss"] for r in records], run_dir
         return cache[key]
 
     return get
 
 
-LAYOUTS = [(test_id, recipe, world, degree_flags(degrees) + flags)
+LAYOUTS = [(test_id, recipe, world, degree_flags(degrees), flags)
            for test_id, recipe, world, degrees, flags in TESTED_LAYOUTS]
 
 
-@pytest.mark.parametrize("name, recipe, nproc, extra", LAYOUTS, ids=[l[0] for l in LAYOUTS])
-def test_layout_matches_one_process(tmp_path, reference, name, recipe, nproc, extra):
-    records, run_dir = _train(tmp_path / "run", recipe, nproc, extra)
+@pytest.mark.parametrize("name, recipe, nproc, degrees, flags", LAYOUTS, ids=[l[0] for l in LAYOUTS])
+def test_layout_matches_one_process(tmp_path, reference, name, recipe, nproc, degrees, flags):
+    check_params = name in PARAMS_CHECKED
+    records, run_dir = _train(tmp_path / "run", recipe, nproc, degrees + flags, save_weights=check_params)
     losses = [r["loss"] for r in records]
-    expected = reference(recipe, FOUR_LAYERS if "--model.n-layers" in extra else ())
+    expected, ref_dir = reference(recipe, flags)  # flags are model flags: the reference uses them too
     assert len(losses) == len(expected) == 5
     diffs = [abs(a - b) for a, b in zip(losses, expected)]
     assert max(diffs) <= 1e-5, (name, losses, expected)
+    if check_params:
+        from safetensors.torch import load_file
+
+        got, want = load_file(run_dir / "model.safetensors"), load_file(ref_dir / "model.safetensors")
+        assert got.keys() == want.keys()
+        worst = max(((got[k] - want[k]).abs().max().item(), k) for k in want)
+        assert worst[0] <= 5e-5, (name, worst)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["parallel"]["world_size"] == nproc
     assert manifest["parallel"]["parity_test"].endswith(f"[{name}]")  # the manifest names this test

@@ -207,6 +207,11 @@ class GroupedExperts(nn.Module):
             return numerics.rowwise(F.silu, gate) * up
         return self.activation(gate, up)
 
+    def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w1, w2, w3)`` as this process computes with them (an expert-tensor-parallel subclass
+        returns its local shards of the hidden dim)."""
+        return self.w1, self.w2, self.w3
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x [N, D]`` sorted by expert, ``counts [E]`` tokens per expert -> ``[N, D]``."""
         if numerics.is_batch_invariant():  # each expert's rows in fixed tiles (lockstep.ops.batch_invariant)
@@ -221,7 +226,7 @@ class GroupedExperts(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type)
         offs = counts.cumsum(0).to(torch.int32)
         x = x.to(dtype)
-        w1, w2, w3 = (w.to(dtype) for w in (self.w1, self.w2, self.w3))
+        w1, w2, w3 = (w.to(dtype) for w in self.local_weights())
         gate = _contiguous_grad(torch._grouped_mm(x, w1.mT, offs=offs))
         up = _contiguous_grad(torch._grouped_mm(x, w3.mT, offs=offs))
         if self.b1 is None:
@@ -234,14 +239,15 @@ class GroupedExperts(nn.Module):
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor, linear=F.linear) -> torch.Tensor:
         outs = []
+        w1, w2, w3 = self.local_weights()
         for e, chunk in enumerate(x.split(counts.tolist())):
             if not chunk.shape[0]:
                 continue
-            gate, up = linear(chunk, self.w1[e]), linear(chunk, self.w3[e])
+            gate, up = linear(chunk, w1[e]), linear(chunk, w3[e])
             if self.b1 is None:
-                outs.append(linear(self._act(gate, up), self.w2[e]))
+                outs.append(linear(self._act(gate, up), w2[e]))
             else:
-                outs.append(linear(self._act(gate + self.b1[e], up + self.b3[e]), self.w2[e]) + self.b2[e])
+                outs.append(linear(self._act(gate + self.b1[e], up + self.b3[e]), w2[e]) + self.b2[e])
         return torch.cat(outs) if outs else x.new_zeros(0, self.dim)
 
 
@@ -258,6 +264,11 @@ class MoE(nn.Module):
         #: set from outside by a parallel plan: sums expert counts over ranks that see other tokens,
         #: so replicated routers take the same bias step (the model itself knows no process groups)
         self.reduce_counts = None
+        #: set from outside by a tensor-parallel plan that splits each expert's hidden dim (each rank
+        #: computes a partial sum of the experts' outputs): applied to the tokens and the routing
+        #: weights entering that partial computation; identity forward, sums their gradients over
+        #: the tensor-parallel ranks. None in one process.
+        self.tp_region = None
         #: tokens per expert of this optimizer step's training forwards so far (int64 [E]), not yet applied
         self.pending_counts: torch.Tensor | None = None
         self.gate = nn.Linear(dim, self.n_experts, bias=config.router_bias)
@@ -305,7 +316,10 @@ class MoE(nn.Module):
         counts = torch.bincount(flat_idx, minlength=self.n_experts)
         order = flat_idx.argsort(stable=True)
         token = order // self.top_k
-        routed = self.experts(flat[token], counts)
+        expert_in = flat if self.tp_region is None else self.tp_region(flat)
+        if self.tp_region is not None:
+            weights = self.tp_region(weights)
+        routed = self.experts(expert_in[token], counts)
         routed = routed * weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
         out = torch.zeros_like(flat).index_add_(0, token, routed.to(flat.dtype))
         if self.shared_experts is not None:

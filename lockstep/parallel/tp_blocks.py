@@ -1,0 +1,172 @@
+"""Tensor-parallel plans of the non-dense blocks: MLA attention, MoE feed-forwards, DeepSeek's MTP.
+
+Applied from outside the model, after the dense pieces of ``parallelize.apply_dense_tp`` (sequence
+parallel norms between blocks, the embedding sharded on the sequence, the head on the vocabulary).
+
+MLA. ``wq`` / ``wq_b`` and ``wkv_b`` are column-wise (each rank holds ``n_heads / tp`` heads), ``wo``
+row-wise; the latent projections ``wq_a`` / ``wkv_a`` and their norms stay replicated (plain
+parameters, every rank computing them on the gathered sequence). The column-wise layers' input
+conversion sums the gradients of the latents over the ranks; the one latent used outside them is the
+rotary key ``k_pe``, shared by every head, whose gradient each rank has only for its own heads: a
+forward hook on ``wkv_a`` sums that slice's gradient over the ranks.
+
+MoE (expert tensor parallelism, ETP). The router and the selection bias are replicated and route the
+gathered tokens identically on every rank, so expert counts and balance losses are those of one
+process and are not reduced over tp. Each routed expert's hidden dim is split (``w1`` / ``w3`` on
+it, ``w2`` on its input side, :func:`lockstep.parallel.expert.apply_expert_tensor_parallel`), the
+shared experts like a dense MLP whose ``w2`` output is left partial: each rank computes a partial sum
+of the layer's output, reduce-scattered onto the sequence once per layer. ``MoE.tp_region`` sums the
+gradients of the tokens and routing weights entering that partial computation. With ``ep > 1`` the
+ep exchange runs between the ranks of one tp index (each holding the same hidden slice of its
+experts).
+
+MTP (DeepSeek-V3). The MTP layer's inputs (slices of the embeddings and of the final hidden states)
+are gathered; its norms and ``proj`` are replicated; ``proj``'s output is put back on the sequence
+(the MTP block then runs the block plan above, its final norm is sequence parallel and the shared
+head is the model's). The residual stream of such a model is kept as DTensors, so the model's
+slices of it are slices of the whole sequence.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from lockstep.config.base import ConfigError
+from lockstep.models.common.mla import MultiHeadLatentAttention
+from lockstep.models.common.moe import MoE
+
+
+def grad_sum_region(tp_mesh):
+    """Megatron's ``f``: identity forward; the gradient is summed over the tp ranks in backward."""
+
+    def f(t):
+        return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+    return f
+
+
+class PartialRowwise(RowwiseParallel):
+    """Row-wise Linear whose output stays this rank's partial sum (a local tensor, reduced by the
+    caller); its gradient is the full one on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__(output_layouts=Partial())
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local(grad_placements=[Replicate()])
+
+
+def check_tp_divides(model: nn.Module, tp: int) -> None:
+    """ConfigError naming the field when tp does not split an MLA or MoE layer evenly."""
+    for name, module in model.named_modules():
+        if isinstance(module, MultiHeadLatentAttention) and module.n_heads % tp:
+            raise ConfigError(f"parallel.tp: {tp} does not divide model.n_heads={module.n_heads} ({name})")
+        if isinstance(module, MoE):
+            cfg = module.config
+            if module.experts.hidden_dim % tp:
+                raise ConfigError(f"parallel.tp: {tp} does not divide the expert hidden size "
+                                  f"model.feed_forward.moe_ffn_dim={module.experts.hidden_dim} ({name})")
+            if module.shared_experts is not None and module.shared_experts.w1.out_features % tp:
+                raise ConfigError(f"parallel.tp: {tp} does not divide the shared experts' hidden size "
+                                  f"{module.shared_experts.w1.out_features} ({name}; model.feed_forward."
+                                  f"n_shared_experts x moe_ffn_dim)")
+            for field in ("expert_bias", "shared_expert_gate"):
+                if getattr(cfg, field, False):
+                    raise ConfigError(f"parallel.tp: expert tensor parallelism does not support "
+                                      f"model.feed_forward.{field} yet ({name}); use tp=1 with dp_shard/ep")
+
+
+def mla_plan(block: nn.Module, prefix: str = "attention") -> dict:
+    attn = block.get_submodule(prefix)
+    plan = {
+        # the gathered sequence as a plain tensor: the latent projections are plain (replicated) Linears
+        prefix: PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+                                   use_local_output=True),
+        f"{prefix}.{'wq_b' if attn.q_lora_rank else 'wq'}": ColwiseParallel(),
+        f"{prefix}.wkv_b": ColwiseParallel(),
+    }  # wo: row-wise, as GQA's (the caller's, with its choice of output)
+    return plan
+
+
+def install_mla_hooks(attn: MultiHeadLatentAttention, tp_mesh) -> None:
+    """Sum the gradient of the shared rotary key ``k_pe`` (the last ``qk_rope_head_dim`` columns of
+    ``wkv_a``'s output) over the tp ranks; ``c_kv``'s gradient is summed by ``wkv_b``'s input."""
+    f = grad_sum_region(tp_mesh)
+    rank = attn.kv_lora_rank
+
+    def hook(module, args, out):
+        import torch
+
+        return torch.cat([out[..., :rank], f(out[..., rank:])], dim=-1)
+
+    attn.wkv_a.register_forward_hook(hook)
+
+
+def moe_plan(prefix: str = "feed_forward", shared: bool = False, residual_dtensor: bool = False) -> dict:
+    plan = {
+        prefix: PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=not residual_dtensor),
+    }
+    if shared:
+        plan[f"{prefix}.shared_experts.w1"] = ColwiseParallel()
+        plan[f"{prefix}.shared_experts.w3"] = ColwiseParallel()
+        plan[f"{prefix}.shared_experts.w2"] = PartialRowwise()
+    return plan
+
+
+def install_moe_tp(moe: MoE, tp_mesh) -> None:
+    from lockstep.parallel.expert import apply_expert_tensor_parallel
+
+    apply_expert_tensor_parallel(moe, tp_mesh)
+    moe.tp_region = grad_sum_region(tp_mesh)
+
+
+def install_mtp_tp(layer: nn.Module, tp_mesh) -> None:
+    """An MTP layer (``enorm``, ``hnorm``, ``proj``, ``block``, ``norm``): gathered replicated inputs,
+    ``proj``'s output back on the sequence, a sequence-parallel final norm (the block has its plan)."""
+
+    def gather_inputs(module, args):
+        emb, h, *rest = args
+        return (_replicated_local(emb), _replicated_local(h), *rest)
+
+    def to_sequence(module, args, out):
+        return DTensor.from_local(out, tp_mesh, [Replicate()], run_check=False).redistribute(placements=[Shard(1)])
+
+    layer.register_forward_pre_hook(gather_inputs)
+    layer.proj.register_forward_hook(to_sequence)
+    parallelize_module(layer.norm, tp_mesh, SequenceParallel())
+
+
+def _replicated_local(t):
+    if isinstance(t, DTensor):
+        return t.redistribute(placements=[Replicate()]).to_local()
+    raise ConfigError("parallel.tp: an MTP layer expects the model's residual stream as DTensors under TP")
+
+
+def replicate_auxiliary_losses(model: nn.Module, tp_mesh) -> None:
+    """The model's auxiliary losses (``pop_auxiliary``) as replicated DTensors: under loss parallel
+    the LM loss is one, and a plain tensor added to it fails in backward. Each tp rank computes the
+    same auxiliary loss from the gathered tokens, so it is replicated (its gradient is not summed)."""
+    pop = getattr(model, "pop_auxiliary", None)
+    if pop is None:
+        return
+
+    def pop_replicated():
+        losses, metrics = pop()
+        losses = {k: v if isinstance(v, DTensor) else DTensor.from_local(v, tp_mesh, [Replicate()], run_check=False)
+                  for k, v in losses.items()}
+        return losses, metrics
+
+    model.pop_auxiliary = pop_replicated
+
