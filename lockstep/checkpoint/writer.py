@@ -155,8 +155,10 @@ def recover_leftovers(storage) -> tuple[list[str], list[str]]:
         if name.endswith(".partial") and not has_index:
             storage.delete_tree(name)
             removed.append(name)
-        elif name.endswith(".partial") or name.startswith(".step-"):
+        elif name.endswith(".partial"):
             moved.append(f"{name} (a saved but unpublished checkpoint) -> {set_aside(storage, name, 'unpublished')}")
+        elif name.startswith(".step-"):
+            moved.append(f"{name} (a copy an interrupted publish replaced) -> {set_aside(storage, name, 'replaced')}")
         elif parse_step_dir(name) is not None and not has_index:
             what = "an interrupted save" if staging_is_final else "damaged, or an interrupted save"
             moved.append(f"{name} has no {INDEX} ({what}) -> {set_aside(storage, name, 'incomplete')}")

@@ -167,3 +167,34 @@ def test_a_new_run_refuses_a_checkpoint_location_it_would_prune(base, tmp_path, 
     err = capsys.readouterr().err
     assert "checkpoint.storage:" in err and "already holds checkpoints (steps 1, 2, 3, 4)" in err
     assert {p.name for p in (base / "checkpoints").iterdir()} == before
+
+
+def test_start_up_removes_only_index_less_staging_and_sets_the_rest_aside(tmp_path):
+    from lockstep.checkpoint import Checkpointer, Slot
+
+    ckpts = tmp_path / "ckpts"
+    state = {"model/w": torch.arange(12, dtype=torch.float32)}
+    Checkpointer(LocalStorage(ckpts), mode="sync", keep=0).save(1, {k: Slot.of(v) for k, v in state.items()}, {}, {})
+    shutil.copytree(ckpts / "step-00000001", ckpts / "step-00000002.partial")  # saved, not yet renamed
+    shutil.copytree(ckpts / "step-00000001", ckpts / ".step-00000001.old-1a2b3c4d")  # a replaced copy
+    (ckpts / "step-00000003.partial").mkdir()  # a save cut off before its index
+    (ckpts / "step-00000003.partial" / "rank-00000-0.safetensors").write_bytes(b"half")
+    with pytest.warns(UserWarning) as caught:
+        Checkpointer(LocalStorage(ckpts), mode="sync")
+    messages = [str(w.message) for w in caught]
+    assert any("removed incomplete saves ['step-00000003.partial']" in m for m in messages)
+    assert sum("moved aside, kept, not loaded" in m for m in messages) == 2
+    names = sorted(p.name.rsplit("-", 1)[0] for p in (ckpts / "set-aside").iterdir())
+    assert names == ["step-00000001.old-1a2b3c4d.replaced", "step-00000002.partial.unpublished"]
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "set-aside", "step-00000001"]
+    for moved in (ckpts / "set-aside").iterdir():  # whole checkpoints, readable where they are
+        assert _files(moved) == _files(ckpts / "step-00000001")
+
+
+def test_rl_takes_resume_from_too(tmp_path):
+    from lockstep.cli_rl import resolve_rl_config
+
+    config, _ = resolve_rl_config(["--recipe", "rl-debug", "--run-dir", str(tmp_path), "--resume-from", "2"])
+    assert config.resume and config.checkpoint.resume_from == 2
+    config, _ = resolve_config(["--recipe", "debug", "--run-dir", str(tmp_path), "--resume"])
+    assert config.resume and config.checkpoint.resume_from == 0  # --resume is not taken for --resume-from
