@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep import numerics
 from lockstep.config.base import require
 from lockstep.models.common.attention import AttentionConfig, GroupedQueryAttention
 from lockstep.models.common.norm import ZeroCenteredRMSNorm
@@ -108,5 +109,5 @@ class GatedAttention(GroupedQueryAttention):
             out = cache.attend(q, k, v, backend=self.active_backend, scale=None)
         out = out.transpose(1, 2).reshape(bsz, seq, -1)
         if gate is not None:
-            out = out * torch.sigmoid(gate)
+            out = out * numerics.rowwise(torch.sigmoid, gate)
         return self.wo(out)

@@ -28,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lockstep.config.base import require, require_choice, require_positive
+from lockstep import numerics
+from lockstep.config.base import ConfigError, require, require_choice, require_positive
 from lockstep.models.common.attention import AttentionConfig
 from lockstep.models.common.delta_rule import chunk_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
 
@@ -158,6 +159,9 @@ class GatedDeltaNet(nn.Module):
         return out.transpose(1, 2), x.gather(2, index)
 
     def forward(self, x: torch.Tensor, rope: Any = None, cache: Any = None) -> torch.Tensor:
+        if numerics.is_batch_invariant():
+            raise ConfigError("numerics.batch_invariant: Gated DeltaNet layers (qwen3_next, qwen3_5) have no "
+                              "batch-invariant kernels yet (conv, delta rule); turn the mode off for these families")
         bsz, seq, _ = x.shape
         qkv, z, b, a = self._project(x)
         window, state = cache.recurrent_state() if cache is not None else (None, None)
