@@ -4,7 +4,8 @@ The config resolves like ``lockstep train``'s: recipe, then field flags (``--ste
 ``--rollout.group-size``, ``--workers.max-offpolicy-steps``, ``--numerics.batch-invariant``, ...),
 validated before any work. With ``workers.generators = N >= 1`` (or a data-parallel trainer,
 ``--parallel.dp-shard T``) the command re-launches itself as ``T + N`` torchrun workers (ranks
-0..T-1 train, the others generate); ``T = 1, N = 0`` runs in this process.
+0..T-1 train, the others generate); ``T = 1, N = 0`` runs in this process. A lost generator that
+stops the run (``liveness``) ends the trainer with exit status 3.
 """
 
 from __future__ import annotations
@@ -54,15 +55,30 @@ def cmd_rl(argv: list[str]) -> int:
 
     if config.world_size > 1 and world_size_from_env() == 1:
         return relaunch_with_torchrun(config.world_size, ["rl", *argv])
+    from lockstep.rl.liveness import PeerLost, peer_lost
     from lockstep.rl.loop import run_rl
 
-    result = run_rl(config)
-    if result is None:  # a generator, or a trainer rank other than 0
-        finish(0)
-        return 0
-    _summary(result)
+    try:
+        result = run_rl(config)
+    except PeerLost as lost:  # the detection line is on stderr already
+        _leave(3, lost.outcome or str(lost))
+    if result is not None:
+        _summary(result)
+    if peer_lost():  # a generator was dropped: destroy_process_group could wait on it forever
+        _leave(0)
     finish(0)
     return 0
+
+
+def _leave(code: int, line: str = "") -> None:
+    """End this process without ``destroy_process_group`` (a peer is gone; leaving must not wait on it)."""
+    import os
+
+    if line:
+        print(line, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _summary(result) -> None:

@@ -18,7 +18,7 @@ from lockstep.run import CheckpointPolicy, RankState
 
 #: config sections a resumed RL run may change without changing what is trained
 RESUMABLE_CHANGES = ("steps", "stop_after", "run_dir", "resume", "checkpoint", "output", "recipe", "workers",
-                     "parallel", "training.device", "training.on_nonfinite", "training.max_rollbacks",
+                     "liveness", "parallel", "training.device", "training.on_nonfinite", "training.max_rollbacks",
                      "allow_unverified_weights")
 
 __all__ = ["RESUMABLE_CHANGES", "build_checkpointing"]

@@ -8,6 +8,7 @@ does for a ``TrainerConfig``. The model section is the same ``TransformerConfig`
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from lockstep.checkpoint.config import CheckpointConfig
@@ -116,6 +117,27 @@ class WorkersConfig(Config):
 
 
 
+#: what the trainer does when a generator process stops answering (see LivenessConfig)
+ON_GENERATOR_LOSS = ["stop", "continue"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class LivenessConfig(Config):
+    """Heartbeats between trainer rank 0 and the generator processes (``lockstep.rl.liveness``)."""
+
+    #: a process not heard from for this many seconds is lost (stalled: SIGSTOP, a hang, a machine gone);
+    #: one whose connection closes is lost at once (it died)
+    timeout_s: float = 60.0
+    #: a lost generator: "stop" the run (exit 3; the last checkpoint stays the newest) or "continue"
+    #: with the remaining generators, which take over its batches (stops when none is left)
+    on_generator_loss: str = "stop"
+
+    def validate(self, path: str = "liveness") -> None:
+        require(math.isfinite(self.timeout_s) and self.timeout_s > 0, f"{path}.timeout_s",
+                f"must be a finite number > 0, got {self.timeout_s!r}")
+        require_choice(self.on_generator_loss, ON_GENERATOR_LOSS, f"{path}.on_generator_loss")
+
+
 @dataclasses.dataclass(kw_only=True)
 class RLTrainingConfig(Config):
     """How the trainer turns a batch of episodes into one optimizer step."""
@@ -212,6 +234,8 @@ class RLConfig(RunConfig):
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     #: generator processes and bounded staleness
     workers: WorkersConfig = dataclasses.field(default_factory=WorkersConfig)
+    #: heartbeats between trainer and generators: the timeout, and what a lost generator does to the run
+    liveness: LivenessConfig = dataclasses.field(default_factory=LivenessConfig)
     #: the trainer's own layout over its processes (ranks 0 .. T-1; the generators come after):
     #: data parallel only, dp_shard (FSDP2) x dp_replicate (HSDP)
     parallel: ParallelConfig = dataclasses.field(default_factory=lambda: ParallelConfig(dp_shard=1))
@@ -225,7 +249,7 @@ class RLConfig(RunConfig):
     def validate(self, path: str = "") -> None:
         self.validate_run()
         for name in ("model", "data", "task", "rollout", "engine", "loss", "optimizer", "lr_schedule", "training",
-                     "sft", "workers", "parallel", "checkpoint", "numerics", "output"):
+                     "sft", "workers", "liveness", "parallel", "checkpoint", "numerics", "output"):
             getattr(self, name).validate(name)
         require_batch_invariant_on_cpu(self.numerics, self.training.device)  # trainer and generators
         self._check_trainer_layout()

@@ -1,39 +1,36 @@
 """A generator process of an RL job: receive weights, roll out batches, send them to the trainer.
 
-Generator ``g`` of ``N`` produces the batches of steps ``i`` with ``(i - 1) % N == g``. Before
-batch ``i`` it applies every weight version that has arrived and, if it still holds a version older
-than ``i - 1 - max_offpolicy_steps``, waits for that one: so a batch is never staler than the
-trainer allows when it is trained on, and with ``max_offpolicy_steps=0`` generation and training
-alternate strictly (on-policy). Each episode carries the version that generated it.
+Generator ``g`` of ``N`` produces the batches of steps ``i`` with ``(i - 1) % N == g`` (and, when
+another generator is lost and the run goes on without it, its share of that one's batches:
+:class:`~lockstep.rl.layout.StepPlan`). Before batch ``i`` it applies every weight version that has
+arrived and, if it still holds a version older than ``i - 1 - max_offpolicy_steps``, waits for that
+one: so a batch is never staler than the trainer allows when it is trained on, and with
+``max_offpolicy_steps=0`` generation and training alternate strictly (on-policy). Each episode
+carries the version that generated it.
 
 A generator runs on ``training.device`` as the trainer does (this process's GPU on CUDA): its
-engine and KV cache follow the model there, and weight versions arrive in buffers on the device the
-sync group carries (:mod:`lockstep.rl.transport`).
+engine and KV cache follow the model there, and weight versions arrive in buffers on the device its
+weight group carries (:mod:`lockstep.rl.transport`). It tells the trainer what it is doing (its
+phase) over the heartbeat channel (:mod:`lockstep.rl.liveness`), which also ends it when the trainer
+is lost, stops the run, or drops it.
 """
 
 from __future__ import annotations
 
 import time
 
-import torch.distributed as dist
-
 from lockstep import numerics
 
 from lockstep.generate.engine import Engine
 from lockstep.parallel.launch import resolve_device
 from lockstep.rl.config import RLConfig
-from lockstep.rl.layout import RLLayout
+from lockstep.rl.layout import RLLayout, StepPlan
 from lockstep.rl.learner import EpisodeRecord
 from lockstep.rl.policy import Policy
 from lockstep.rl.rollout import Rollout
-from lockstep.rl.transport import ObjectSender, WeightReceiver
+from lockstep.rl.transport import ROLLOUT_TAG, ObjectSender, WeightReceiver
 
-ROLLOUT_TAG = 7
-
-
-def steps_of(generator_index: int, n_generators: int, start: int, last: int) -> list[int]:
-    """The steps (1-based) whose batch this generator produces."""
-    return [i for i in range(start + 1, last + 1) if (i - 1) % n_generators == generator_index]
+__all__ = ["ROLLOUT_TAG", "rollout_batch_payload", "run_generator"]
 
 
 def rollout_batch_payload(rollout: Rollout, env, config: RLConfig, step: int, version: int) -> dict:
@@ -48,40 +45,57 @@ def rollout_batch_payload(rollout: Rollout, env, config: RLConfig, step: int, ve
 
 
 def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
-    """The generator loop (ranks T..T+N-1); returns when its last batch is delivered."""
-    n = config.workers.generators
-    sync_group, rollout_group = layout.sync_group, layout.rollout_group
-    start_info: list = [None]
-    dist.broadcast_object_list(start_info, src=0, group=sync_group)
-    info = start_info[0]
+    """The generator loop (ranks T..T+N-1); returns when its last batch is delivered and the last weight
+    version received."""
+    live = layout.liveness
+    live.phase("waiting for the trainer to start")
+    info = live.wait_start()
     if "error" in info:
         return
     start, last = info["start"], info["last"]
     if last <= start:
+        live.finish()
         return
+    live.phase("starting the engine")
     policy.model.to(resolve_device(config.training.device))
-    receiver = WeightReceiver(policy.model, sync_group, first=start, last=last - 1)
+    receiver = WeightReceiver(policy.model, layout.weight_groups[layout.rank], first=start, last=last - 1)
     engine = Engine(policy.model, policy.tokenizer, config.engine)
     rollout = Rollout(engine, config.rollout, tokenizer=policy.tokenizer, chat_template=policy.chat_template)
     env = config.task.build()
-    sender = ObjectSender(dst=0, group=rollout_group, tag=ROLLOUT_TAG)
-    for step in steps_of(layout.generator_index, n, start, last):
-        needed = max(start, step - 1 - config.workers.max_offpolicy_steps)
-        waited = receiver.wait_for(needed)
+    sender = ObjectSender(dst=0, group=layout.rollout_group, tag=ROLLOUT_TAG)
+    produced: set[int] = set()
+    while True:
+        seen = live.changes
+        plan = StepPlan(layout.n_generators, [(rank - layout.trainer_world, s) for rank, s in live.lost_generators])
+        step = next((i for i in range(start + 1, last + 1)
+                     if i not in produced and plan.owner(i) == layout.generator_index), None)
+        # no batch of its own left: receive the remaining versions (the trainer's broadcasts need every
+        # generator), unless a lost generator's batches come its way meanwhile
+        needed = receiver.last if step is None else max(start, step - 1 - config.workers.max_offpolicy_steps)
+        live.phase(f"receiving weights version {needed}" + ("" if step is None else f" for batch {step}"))
+        waited = receiver.wait_for(needed, interrupt=lambda: live.changes != seen)
+        if waited is None:
+            continue  # a generator was lost: this one may own an earlier batch now
+        if step is None:
+            break
+        live.phase(f"generating batch {step} with weights version {receiver.version}")
         payload = rollout_batch_payload(rollout, env, config, step, receiver.version)
         payload.update({"numerics": numerics.thread_settings(), "generator/weight_wait_s": waited,
                         "generator/rank": layout.rank,
                         "generator/weight_apply_s": receiver.apply_s})
-        _wait_sent(sender, receiver)
+        _wait_sent(sender, receiver, live, f"sending rollouts (the trainer has not taken batch {step - 1} yet)")
         sender.send(payload)
-    _wait_sent(sender, receiver)
+        produced.add(step)
+    _wait_sent(sender, receiver, live, "sending the last rollouts")
     sender.close()
-    receiver.drain()
+    live.finish()
 
 
-def _wait_sent(sender: ObjectSender, receiver: WeightReceiver) -> None:
+def _wait_sent(sender: ObjectSender, receiver: WeightReceiver, live, phase: str) -> None:
     """Wait until the previous batch is delivered, applying weights that arrive meanwhile: the
     trainer may be waiting for this generator to free a staging buffer before it can go on."""
+    if sender.busy():
+        live.phase(phase)
     while sender.busy():
         receiver.poll()
         time.sleep(0.001)

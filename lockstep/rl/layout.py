@@ -7,8 +7,12 @@ generators. Groups (every rank creates every group, in the same order, as ``new_
 
 - the runtime's group (``trainer_group``): the trainer ranks (a step's episodes are broadcast to
   them, metrics reduced);
-- ``sync_group``: trainer rank 0 + the generators (weight broadcasts);
+- ``weight_groups``: one per generator, trainer rank 0 + that generator (weight broadcasts: a
+  generator that stops answering holds up no other one's weights);
 - ``rollout_group``: trainer rank 0 + the generators (rollouts, point to point).
+
+Trainer rank 0 and the generators also share a heartbeat channel (``liveness``,
+:mod:`lockstep.rl.liveness`). :class:`StepPlan` says which generator produces each step's batch.
 """
 
 from __future__ import annotations
@@ -30,8 +34,11 @@ class RLLayout:
     #: the trainer ranks' runtime (None on generator ranks)
     runtime: ParallelRuntime | None = None
     trainer_group: object | None = None
-    sync_group: object | None = None
+    #: generator rank -> the two-rank group (trainer rank 0, that generator) its weights go over
+    weight_groups: dict[int, object] = dataclasses.field(default_factory=dict)
     rollout_group: object | None = None
+    #: trainer rank 0 and generators: the heartbeat channel (a TrainerLiveness / GeneratorLiveness)
+    liveness: object | None = None
 
     @property
     def is_trainer(self) -> bool:
@@ -65,6 +72,45 @@ def create_layout(config: RLConfig, rank: int, world_size: int) -> RLLayout:
     head = [0, *range(t, world_size)]
     # gloo, CPU tensors: a CUDA model's weights are staged through host buffers (rl.transport), and a
     # generator may share its GPU with trainer rank 0 (GPU = LOCAL_RANK % GPUs), where NCCL would refuse
-    layout.sync_group = dist.new_group(ranks=head, backend="gloo")
+    layout.weight_groups = {g: dist.new_group(ranks=[0, g], backend="gloo") for g in range(t, world_size)}
     layout.rollout_group = dist.new_group(ranks=head, backend="gloo")
+    if rank in head and world_size > t:
+        from lockstep.rl.liveness import connect_liveness
+
+        live = config.liveness
+        layout.liveness = connect_liveness(live.timeout_s, live.on_generator_loss, rank, head, layout.rollout_group)
     return layout
+
+
+class StepPlan:
+    """Which generator (by index) produces the batch of each step.
+
+    Step ``i``'s is generator ``(i - 1) % N``'s. When generator ``g`` is lost (``drop(g, s)``, ``s`` the
+    first step the trainer has not received), its steps from ``s`` on go to the remaining generators:
+    step ``i`` to the ``(i - 1) % len(remaining)``-th of them, in index order. Trainer and generators
+    apply the same drops in the same order, so they agree on every owner."""
+
+    def __init__(self, n_generators: int, lost: list[tuple[int, int]] | None = None) -> None:
+        self.n = n_generators
+        #: (generator index, first reassigned step) in the order they were lost
+        self.lost: list[tuple[int, int]] = list(lost or [])
+
+    @property
+    def alive(self) -> list[int]:
+        gone = {g for g, _ in self.lost}
+        return [g for g in range(self.n) if g not in gone]
+
+    def drop(self, generator: int, from_step: int) -> None:
+        self.lost.append((generator, from_step))
+
+    def owner(self, step: int) -> int:
+        owner, remaining = (step - 1) % self.n, list(range(self.n))
+        for lost, from_step in self.lost:
+            remaining.remove(lost)
+            if owner == lost and step >= from_step and remaining:
+                owner = remaining[(step - 1) % len(remaining)]
+        return owner
+
+    def steps_of(self, generator: int, start: int, last: int) -> list[int]:
+        """The steps in ``start + 1 .. last`` whose batch ``generator`` produces."""
+        return [i for i in range(start + 1, last + 1) if self.owner(i) == generator]

@@ -2,15 +2,15 @@
 
 With ``workers.generators = N >= 1`` the job is ``T + N`` torchrun processes (``lockstep rl``
 launches them): ranks 0..T-1 train (``parallel``: FSDP2/HSDP over them), ranks T.. generate;
-weights go trainer rank 0 -> generators over one gloo group, rollouts generator -> trainer rank 0
-over another (:mod:`lockstep.rl.layout`); the trainer ranks run on a ``ParallelRuntime`` of their own. With ``generators = 0`` one process
+weights go trainer rank 0 -> generators over one gloo group per generator, rollouts generator -> trainer
+rank 0 over another (:mod:`lockstep.rl.layout`), heartbeats over a socket of their own
+(:mod:`lockstep.rl.liveness`); the trainer ranks run on a ``ParallelRuntime`` of their own. With ``generators = 0`` one process
 generates between its own steps with the very modules it trains (no copy, no sync).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from lockstep.config.base import ConfigError
 from lockstep.parallel.launch import init_distributed, world_size_from_env
@@ -51,7 +51,8 @@ def run_rl(config: RLConfig):
     try:
         trainer = RLTrainer(config, run_config, policy, layout)
     except Exception as err:
-        if rank == 0 and layout.sync_group is not None:  # let the generators leave instead of waiting forever
-            dist.broadcast_object_list([{"error": str(err)}], src=0, group=layout.sync_group)
+        if rank == 0 and layout.liveness is not None:  # let the generators leave instead of waiting forever
+            layout.liveness.send_start({"error": str(err)})
+            layout.liveness.finish()
         raise
     return trainer.run()

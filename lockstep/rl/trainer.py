@@ -6,6 +6,11 @@ one metrics record (reward, pass rate, lengths, policy lag, generator/trainer to
 time, time generating / training / waiting, ``logprob_diff/*``) -> checkpoint when due. Held-out
 evaluation (greedy, engine on the trainer's own modules) runs before the first step, every
 ``task.eval_every`` steps and after the last; its records carry ``eval/*``.
+
+Rank 0 reaches the generators through a :class:`~lockstep.rl.fleet.Fleet`: every wait on one is watched
+by the heartbeat channel, and a lost generator stops the run (a ``generator_lost`` record in
+metrics.jsonl, the newest checkpoint intact, :class:`~lockstep.rl.liveness.PeerLost` raised) or, with
+``liveness.on_generator_loss = "continue"``, is dropped (a ``generator_lost`` record) and the run goes on.
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from lockstep.generate.engine import Engine
 from lockstep.observe import ProgressBar, RunManifest, plot_series, read_metrics
 from lockstep.rl.checkpointing import build_checkpointing
 from lockstep.rl.config import RLConfig
-from lockstep.rl.generator import ROLLOUT_TAG, rollout_batch_payload
+from lockstep.rl.fleet import Fleet
+from lockstep.rl.generator import rollout_batch_payload
 from lockstep.rl.layout import RLLayout
 from lockstep.rl.learner import Learner
+from lockstep.rl.liveness import PeerLost
 from lockstep.rl.policy import Policy
 from lockstep.rl.rollout import Rollout
 from lockstep.rl.sft import evaluate, sft_warmup
-from lockstep.rl.transport import WeightSender, recv_object
 from lockstep.run import NonFiniteGuard, RunLog, agree_on_run_dir, save_weights
 from lockstep.run.manifest import model_kernels, run_manifest
 
@@ -76,7 +82,8 @@ class RLTrainer:
                 self.resumed = self.checkpointing.resume()
                 self.start = self.resumed["from_step"]
         self.last = config.stop_after or config.steps
-        self.sender = WeightSender(self.shadow, layout.sync_group) if self.main and layout.n_generators else None
+        #: rank 0's generators (weights out, rollouts in, liveness); None on other ranks and colocated
+        self.fleet = Fleet(config, layout, self.shadow) if self.main and layout.n_generators else None
         #: each generator's numerics settings (threads, batch-invariant attention implementation)
         self.generator_numerics: dict[int, dict] = {}
 
@@ -117,11 +124,7 @@ class RLTrainer:
         if self.main and not self.layout.n_generators:
             payload = rollout_batch_payload(self.rollout, self.env, self.run_config, step, step - 1)
         elif self.main:
-            src = self.layout.generator_rank((step - 1) % self.layout.n_generators)
-            payload = recv_object(src, group=self.layout.rollout_group, tag=ROLLOUT_TAG)
-            if payload["step"] != step:
-                raise RuntimeError(f"rl: expected the rollouts of step {step} from rank {src}, got step "
-                                   f"{payload['step']}")
+            payload = self.fleet.receive(step)
         waited = time.perf_counter() - started if self.layout.n_generators else 0.0
         if self.layout.dp > 1:
             box = [payload]
@@ -136,7 +139,22 @@ class RLTrainer:
         return {"step": step, **out, "time/eval": time.perf_counter() - started}
 
     def run(self) -> RLResult | None:
-        """The loop on every trainer rank; rank 0 returns the result, the others None."""
+        """The loop on every trainer rank; rank 0 returns the result, the others None. Raises PeerLost
+        (rank 0) when a lost generator stops the run."""
+        try:
+            return self._run()
+        except PeerLost:
+            raise  # the generators were told
+        except BaseException as err:
+            if self.fleet is not None:  # the generators leave instead of waiting for this process
+                self.fleet.live.stop_all(f"the trainer failed: {type(err).__name__}")
+            raise
+
+    def _phase(self, text: str) -> None:
+        if self.fleet is not None:
+            self.fleet.live.phase(text)
+
+    def _run(self) -> RLResult | None:
         cfg = self.config
         manifest = self._manifest() if self.main else None
         writer = RunLog(self.run_dir, cfg.output, rank=self.layout.rank, main=self.main,
@@ -146,18 +164,20 @@ class RLTrainer:
         with writer:
             if self.start == 0 and cfg.sft.steps:
                 if evaluating:
+                    self._phase("evaluating before the SFT warm-up")
                     evals.append(writer.write({**self._evaluate(0), "phase": "before_sft"}))
+                self._phase("the SFT warm-up")
                 sft_warmup(self.model, self.env, self.run_config, tokenizer=self.policy.tokenizer,
                            chat_template=self.policy.chat_template, eos_id=self.policy.eos_id,
                            log=lambda r: writer.write({"step": 0, "phase": "sft", **r}))
             self._refresh_shadow()
             if evaluating and self.start == 0:
+                self._phase("evaluating before RL")
                 evals.append(writer.write({**self._evaluate(0), "phase": "before_rl"}))
-            if self.main and self.layout.n_generators:
-                dist.broadcast_object_list([{"start": self.start, "last": self.last}], src=0,
-                                           group=self.layout.sync_group)
+            if self.fleet is not None:
+                self.fleet.start(self.start, self.last)
                 if self.last > self.start:
-                    self.sender.send()  # version `start`: the generators' first weights
+                    self.fleet.send_weights(self.start)  # version `start`: the generators' first weights
             bar = writer.progress(self.last, cfg.recipe, cfg.output.progress)
             step_started = time.perf_counter()
             guard = NonFiniteGuard(cfg.training.on_nonfinite, max_rollbacks=cfg.training.max_rollbacks,
@@ -165,49 +185,92 @@ class RLTrainer:
                                    # versions only increase); the restored weights go out with this step's sync
                                    rollback=(lambda: self.checkpointing.rollback(writer)) if self.checkpointing
                                    else None)
-            for step in range(self.start + 1, self.last + 1):
-                payload, waited = self._batch(step)
-                record = {"step": step, **self.learner.step(step, payload["records"], trainer_version=step - 1)}
-                if "nonfinite" in record:  # the update was dropped; stop raises here
-                    restored = guard.handle(step, record.pop("nonfinite"), record)
-                    if restored is not None:
-                        record["nonfinite/rollback_to"] = restored
-                record.update(guard.record())
-                self._refresh_shadow()
-                sync = self.sender.send() if self.sender is not None and step < self.last else {}
-                now = time.perf_counter()
-                record.update({
-                    "policy_version": step, "rollout_version": payload["version"],
-                    "generator/tokens": payload["generated_tokens"],
-                    "generator/tokens_per_s": payload["generator/tokens_per_s"],
-                    "time/generating": payload["generate_s"], "time/waiting": waited,
-                    "time/weight_sync": sync.get("weight_sync/s", 0.0), **sync,
-                    "time/step": now - step_started,
-                    **{k: v for k, v in payload.items() if k.startswith("generator/") and k not in record},
-                })
-                step_started = now
-                if "numerics" in payload:
-                    self.generator_numerics[payload["generator/rank"]] = payload["numerics"]
-                steps.append(writer.write(record))
-                if self.main:
-                    self._print_samples(step, payload["records"], bar)
-                bar.update(step, reward=record["reward/mean"], pass_rate=record["pass_rate"])
-                if evaluating and (step % cfg.task.eval_every == 0 or step == cfg.steps):
-                    evals.append(writer.write(self._evaluate(step)))
-                if self.checkpointing is not None:
-                    if self.checkpointing.due(step, self.last):
-                        self.checkpointing.save(step)
-                    for ckpt in self.checkpointing.records(wait=step == self.last):
-                        writer.write({"step": step, **ckpt})
+            done, logged = self.start, 0
+            try:
+                for step in range(self.start + 1, self.last + 1):
+                    if self.fleet is not None:
+                        self.fleet.check()
+                    payload, waited = self._batch(step)
+                    self._phase(f"training step {step}")
+                    record = {"step": step, **self.learner.step(step, payload["records"], trainer_version=step - 1)}
+                    if "nonfinite" in record:  # the update was dropped; stop raises here
+                        restored = guard.handle(step, record.pop("nonfinite"), record)
+                        if restored is not None:
+                            record["nonfinite/rollback_to"] = restored
+                    record.update(guard.record())
+                    self._refresh_shadow()
+                    sync = self.fleet.send_weights(step) if self.fleet is not None and step < self.last else {}
+                    now = time.perf_counter()
+                    record.update({
+                        "policy_version": step, "rollout_version": payload["version"],
+                        "generator/tokens": payload["generated_tokens"],
+                        "generator/tokens_per_s": payload["generator/tokens_per_s"],
+                        "time/generating": payload["generate_s"], "time/waiting": waited,
+                        "time/weight_sync": sync.get("weight_sync/s", 0.0), **sync,
+                        "time/step": now - step_started,
+                        **{k: v for k, v in payload.items() if k.startswith("generator/") and k not in record},
+                    })
+                    step_started = now
+                    if "numerics" in payload:
+                        self.generator_numerics[payload["generator/rank"]] = payload["numerics"]
+                    logged = self._write_fleet_events(writer, logged)
+                    steps.append(writer.write(record))
+                    done = step
+                    if self.main:
+                        self._print_samples(step, payload["records"], bar)
+                    bar.update(step, reward=record["reward/mean"], pass_rate=record["pass_rate"])
+                    if evaluating and (step % cfg.task.eval_every == 0 or step == cfg.steps):
+                        self._phase(f"evaluating after step {step}")
+                        evals.append(writer.write(self._evaluate(step)))
+                    if self.checkpointing is not None:
+                        if self.checkpointing.due(step, self.last):
+                            self._phase(f"checkpointing step {step}")
+                            self.checkpointing.save(step)
+                        for ckpt in self.checkpointing.records(wait=step == self.last):
+                            writer.write({"step": step, **ckpt})
+                if self.fleet is not None:
+                    self.fleet.finish()
+                    self._write_fleet_events(writer, logged)
+            except PeerLost as lost:
+                self._stop(lost, writer, bar, done, logged)
+                raise
             bar.close()
-        if self.sender is not None:
-            self.sender.close()
         if self.checkpointing is not None:
             self.checkpointing.close()
         if not self.main:
             return None
         self._finish(manifest, steps, evals)
         return RLResult(self.run_dir, steps, evals)
+
+    def _write_fleet_events(self, writer: RunLog, logged: int) -> int:
+        """Write the generator-lost records not written yet; returns how many are written now."""
+        events = self.fleet.events if self.fleet is not None else []
+        for event in events[logged:]:
+            writer.write(event)
+        return len(events)
+
+    def _stop(self, lost: PeerLost, writer: RunLog, bar: ProgressBar, done: int, logged: int) -> None:
+        """A lost generator stops the run: the in-flight save finishes (the newest checkpoint is the last
+        one saved), one ``generator_lost`` record, the generators are told; ``lost.outcome`` says where
+        to resume."""
+        bar.close()
+        self._write_fleet_events(writer, logged)
+        newest, failure = None, ""
+        if self.checkpointing is not None:
+            try:
+                for ckpt in self.checkpointing.records(wait=True):
+                    writer.write({"step": done, **ckpt})
+                self.checkpointing.close()
+            except Exception as err:  # noqa: BLE001 -- the loss is what stops the run; say this too
+                failure = f" (the last save failed: {err})"
+            newest = self.checkpointing.checkpointer.latest_step()
+        writer.write({"step": done, "event": "generator_lost", "generator_lost/rank": lost.rank,
+                      "generator_lost/kind": lost.loss.kind, "generator_lost/phase": lost.loss.phase,
+                      "generator_lost/action": "stop", "checkpoint/newest": newest, "message": str(lost)})
+        self.fleet.live.stop_all(f"generator rank {lost.rank} was lost")
+        lost.outcome = (f"lockstep rl: run stopped after step {done}; newest checkpoint: "
+                        + (f"step {newest} (continue with --resume --run-dir {self.run_dir})" if newest is not None
+                           else "none") + failure)
 
     def _print_samples(self, step: int, records: list, bar: ProgressBar) -> None:
         for r in records[: self.config.output.print_samples]:

@@ -3,14 +3,21 @@
 - :class:`FlatState` packs every tensor a model's ``state_dict`` holds (parameters and buffers, tied
   ones once) into one byte buffer and back, so a weight sync is **one** broadcast whatever the
   dtypes, and the copy is bit-exact.
-- :class:`WeightSender` (the trainer) broadcasts version after version from rank 0 of the sync
-  group without waiting for the generators (``async_op``); it waits only before reusing its buffer.
+- :class:`WeightSender` (the trainer) broadcasts version after version from rank 0 to each generator
+  over that generator's own two-rank group, without waiting for them (``async_op``); it waits only
+  before reusing its buffer.
 - :class:`WeightReceiver` (a generator) keeps receives posted into two staging buffers, so the
   trainer never waits for a generator that is busy generating; :meth:`WeightReceiver.poll` applies
   the newest complete version between batches, :meth:`WeightReceiver.wait_for` blocks until a
   version has arrived. Versions arrive in order: the k-th broadcast is version ``first + k``.
 - :func:`send_object` / :func:`recv_object`: a picklable object as a size tensor plus a byte tensor,
-  point to point; :class:`ObjectSender` sends from a background thread so the generator can go on.
+  point to point; :class:`ObjectSender` sends from a background thread so the generator can go on;
+  :class:`RolloutInbox` receives each step's rollouts on the trainer.
+
+**Watched waits.** Given a ``watch`` (the trainer's :class:`~lockstep.rl.liveness.TrainerLiveness`),
+the trainer's waits on a generator poll instead of blocking, and raise
+:class:`~lockstep.rl.liveness.PeerLost` as soon as that generator is lost (a blocked gloo transfer
+would wait for the process group's timeout, 30 min); the wait that never finishes is abandoned.
 
 **Devices.** Every byte buffer lives on the device the group's backend carries
 (:func:`transfer_device`): NCCL sends only CUDA tensors, gloo is meant for CPU tensors (it stages
@@ -24,14 +31,17 @@ carries CPU tensors, else through the accelerator's.
 from __future__ import annotations
 
 import pickle
+import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 _ALIGN = 64  # bytes: every tensor's slice starts aligned for any dtype's view
+#: the point-to-point tag of rollouts (generator -> trainer rank 0)
+ROLLOUT_TAG = 7
 
 
 def backend_devices(group: Any = None, config: str | None = None) -> dict[str, str]:
@@ -121,32 +131,63 @@ class FlatState:
             tensor.detach().copy_(view)
 
 
-class WeightSender:
-    """The trainer's end: ``send()`` after each optimizer step (rank ``src`` of ``group``)."""
+class Watch(Protocol):
+    """What watches the trainer's waits on generators (:class:`~lockstep.rl.liveness.TrainerLiveness`)."""
 
-    def __init__(self, model: nn.Module, group: Any, src: int = 0) -> None:
-        self.flat = FlatState(model, group)
+    def wait(self, ranks: list[int], done: Any, poll_s: float = ...) -> None: ...
+
+    def blame(self, rank: int, error: BaseException) -> None: ...
+
+
+def wait_work(work: Any, rank: int, watch: Watch | None = None) -> None:
+    """Wait for an async transfer with ``rank``: blocking without a watch, else polled and watched."""
+    if watch is None:
+        work.wait()
+        return
+    watch.wait([rank], work.is_completed)
+    try:
+        work.wait()  # completed: returns at once, or raises the transfer's error
+    except Exception as err:  # noqa: BLE001 -- a dead peer's connection error becomes PeerLost
+        watch.blame(rank, err)
+
+
+class WeightSender:
+    """The trainer's end: ``send()`` after each optimizer step, from rank ``src`` to every generator over
+    its own group (``groups``: generator rank -> group; one buffer, one broadcast per generator)."""
+
+    def __init__(self, model: nn.Module, groups: dict[int, Any], src: int = 0, watch: Watch | None = None) -> None:
+        self.groups = dict(groups)
+        self.flat = FlatState(model, next(iter(self.groups.values())))
         self.buffer = self.flat.new_buffer()
-        self.group, self.src = group, src
-        self._work = None
+        self.src, self.watch = src, watch
+        self._works: dict[int, Any] = {}
         self.sent = 0
 
     def send(self) -> dict[str, float]:
-        """Broadcast the current weights; returns seconds waiting for the previous send and packing."""
+        """Broadcast the current weights; returns seconds waiting for the previous send and packing.
+        Raises PeerLost (nothing sent) when a generator is lost while waiting: ``drop`` it, call again."""
         started = time.perf_counter()
-        if self._work is not None:
-            self._work.wait()
+        self._wait_all()
         waited = time.perf_counter() - started
         self.flat.pack(self.buffer)
-        self._work = dist.broadcast(self.buffer, src=self.src, group=self.group, async_op=True)
+        for rank, group in self.groups.items():
+            self._works[rank] = dist.broadcast(self.buffer, src=self.src, group=group, async_op=True)
         self.sent += 1
         return {"weight_sync/wait_s": waited, "weight_sync/s": time.perf_counter() - started,
                 "weight_sync/bytes": float(self.flat.nbytes)}
 
+    def _wait_all(self) -> None:
+        for rank, work in list(self._works.items()):
+            wait_work(work, rank, self.watch)
+            del self._works[rank]
+
+    def drop(self, rank: int) -> None:
+        """Send nothing more to generator ``rank`` (lost); its pending broadcast is abandoned."""
+        self.groups.pop(rank, None)
+        self._works.pop(rank, None)
+
     def close(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        self._wait_all()
 
 
 class WeightReceiver:
@@ -186,14 +227,20 @@ class WeightReceiver:
             self._apply_first()
         return self.version
 
-    def wait_for(self, version: int) -> float:
+    def wait_for(self, version: int, interrupt: Any = None) -> float | None:
         """Block until ``version`` (or newer) is applied; returns seconds waited. Then takes any
-        newer version already complete."""
+        newer version already complete. ``interrupt``: a callable polled while waiting; when it turns
+        true the wait ends early and returns None (versions complete by then are applied)."""
         if version > self.last:
             raise ValueError(f"weight sync: version {version} will never be sent (last is {self.last})")
         started = time.perf_counter()
         while self.version < version:
-            self._apply_first()
+            if interrupt is None or self._pending[0][2].is_completed():
+                self._apply_first()
+            elif interrupt():
+                return None
+            else:
+                time.sleep(0.001)
         self.poll()
         return time.perf_counter() - started
 
@@ -249,3 +296,56 @@ def recv_object(src: int, group: Any = None, tag: int = 0) -> Any:
     payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.recv(payload, src=src, group=group, tag=tag)
     return pickle.loads(payload.cpu().numpy().tobytes())
+
+
+class _Receive:
+    """One :func:`recv_object` in a thread of its own (it may never finish: its sender was lost)."""
+
+    def __init__(self, src: int, group: Any, tag: int) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, args=(src, group, tag), daemon=True, name="lockstep-recv").start()
+
+    def _run(self, src: int, group: Any, tag: int) -> None:
+        try:
+            self.value = recv_object(src, group, tag)
+        except BaseException as err:  # noqa: BLE001 -- handed to the waiting thread
+            self.error = err
+        self.done.set()
+
+
+class RolloutInbox:
+    """Trainer rank 0's end of the rollouts: :meth:`receive` returns step ``step``'s payload (a dict with
+    ``"step"``), taking payloads from ``src`` until it comes. Others are kept for their step (a generator
+    that took over a lost one's batches may deliver them out of order); ones for steps already taken are
+    dropped (a batch produced twice). With a ``watch``, each receive runs in a thread of its own and the
+    wait is watched (PeerLost; ``drop`` abandons it)."""
+
+    def __init__(self, group: Any, tag: int, watch: Watch | None = None) -> None:
+        self.group, self.tag, self.watch = group, tag, watch
+        self._stash: dict[int, dict] = {}
+        self._pending: dict[int, _Receive] = {}
+
+    def receive(self, step: int, src: int) -> dict:
+        while step not in self._stash:
+            payload = self._next_from(src)
+            if payload["step"] >= step:
+                self._stash.setdefault(payload["step"], payload)
+        for old in [s for s in self._stash if s < step]:
+            del self._stash[old]
+        return self._stash.pop(step)
+
+    def _next_from(self, src: int) -> dict:
+        if self.watch is None:
+            return recv_object(src, group=self.group, tag=self.tag)
+        pending = self._pending.get(src) or self._pending.setdefault(src, _Receive(src, self.group, self.tag))
+        self.watch.wait([src], lambda: pending.done.wait(0.02), poll_s=0.0)
+        del self._pending[src]
+        if pending.error is not None:
+            self.watch.blame(src, pending.error)
+        return pending.value
+
+    def drop(self, src: int) -> None:
+        """Receive nothing more from ``src`` (lost): its pending receive is abandoned."""
+        self._pending.pop(src, None)
