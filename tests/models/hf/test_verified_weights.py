@@ -271,3 +271,24 @@ def test_written_file_is_standard_safetensors_and_reads_back_bitwise(tmp_path):
         assert all(loaded[k].dtype == v.dtype and torch.equal(loaded[k], v) for k, v in tensors.items())
     part = read_tensors(header, ["h"], dtype=torch.float32)  # the rest is still hashed
     assert list(part) == ["h"] and part["h"].dtype == torch.float32
+
+
+def test_init_from_an_unverifiable_directory_needs_the_config_field(tmp_path):
+    """A trainer's init_from goes through the same check; ``--allow-unverified-weights`` sets the field."""
+    from lockstep.cli import resolve_config
+    from lockstep.train.trainer import Trainer
+
+    argv = ["--recipe", "debug", "--steps", "1", "--output.no-progress", "--output.sample-tokens", "0"]
+    cfg, _ = resolve_config([*argv, "--run-dir", str(tmp_path / "a")])
+    source = build_model(cfg.model, seed=7)
+    save_hf(source, tmp_path / "hf")
+    file = tmp_path / "hf" / "model.safetensors"
+    save_file(load_file(file), file, metadata={"format": "pt"})  # as transformers writes it
+    cfg, _ = resolve_config([*argv, "--run-dir", str(tmp_path / "a"), "--init-from", str(tmp_path / "hf")])
+    with pytest.raises(WeightsError, match=f"{file}: carries no lockstep checksums.*{FLAG}"):
+        Trainer(cfg)
+    cfg, _ = resolve_config([*argv, "--run-dir", str(tmp_path / "b"), "--init-from", str(tmp_path / "hf"), FLAG])
+    assert cfg.allow_unverified_weights
+    with pytest.warns(UnverifiedWeightsWarning):
+        trainer = Trainer(cfg)
+    assert _equal_states(trainer.model, source)
