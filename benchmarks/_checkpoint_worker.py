@@ -18,6 +18,7 @@ import json
 import os
 import pstats
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -38,7 +39,38 @@ SIZES = {  # model fp32 + AdamW exp_avg + exp_avg_sq = 12 bytes/parameter
     "quick": ("tiny", {"n_layers": 2}),  # ~3.7M params, ~45 MB
 }
 
-SAVE_VARIANTS = ["lockstep", "dcp_sync", "dcp_async_thread", "dcp_async_process", "dcp_async_process_shm"]
+SAVE_VARIANTS = ["lockstep", "dcp_sync", "dcp_async_thread", "dcp_async_process", "dcp_async_process_shm",
+                 "tckpt_async"]
+#: the async methods timed inside a training loop (a save after every step)
+LOOP_VARIANTS = ["lockstep", "dcp_async_thread", "dcp_async_process_shm", "tckpt_async"]
+
+
+def tckpt_manager():
+    """torch-checkpointing's CheckpointManager as its docs set it up for async saves, with what needs
+    CUDA turned off: no pinned memory, no non-blocking copies (the brief of issue #15); O_DIRECT off
+    (ext4 rejects its unaligned torch.save writes with EINVAL). No resharder: declaring one makes
+    the save all-reduce its metadata on a CUDA tensor (metadata_manager.py, device="cuda"), which a
+    CPU build cannot do, so its checkpoints load back into the same layout only."""
+    from torch_checkpointing import CheckpointManager, ItemSpec
+    from torch_checkpointing.config import AsyncCheckpointSaverConfig
+    from torch_checkpointing.staging import CheckpointStagerConfig
+    from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+    staging = CheckpointStagerConfig(use_pinned_memory=False, use_non_blocking_copy=False)
+    return CheckpointManager(CheckpointManager.Config(
+        items={"model": ItemSpec(), "optim": ItemSpec()},
+        save=AsyncCheckpointSaverConfig(staging_config=staging),
+        storage_config=LocalFileSystemStorageConfig(use_direct_io=False)))
+
+
+def available_variants(names: list[str]) -> list[str]:
+    try:
+        import torch_checkpointing  # noqa: F401
+    except ImportError:
+        print("torch-checkpointing is not installed (pip install -c constraints.txt -e '.[bench]'): "
+              "its rows are skipped", file=sys.stderr)
+        return [v for v in names if v != "tckpt_async"]
+    return names
 
 
 def build(size: str, sharded: bool, seed: int = 0):
@@ -107,6 +139,10 @@ class Saver:
         self.model, self.optimizer, self.pg = model, optimizer, ckpt_pg
         self.checkpointer = None
         self.stager = None
+        self.manager = None
+        self.pending = None  # the in-flight async save's future (DCP, torch-checkpointing)
+        if kind == "tckpt_async":
+            self.manager = tckpt_manager()  # spawns its writer process now, as a trainer would at start-up
         if kind == "lockstep":
             self.checkpointer = Checkpointer(LocalStorage(self.root), rank=rank, world_size=world, keep=0,
                                              mode="process")
@@ -122,30 +158,35 @@ class Saver:
         return self.root / f"step-{step:08d}"  # lockstep's step directory; DCP's checkpoint_id
 
     def save(self, step: int) -> tuple[float, float, dict]:
+        t0 = time.perf_counter()
+        blocking, extra = self.start(step)
+        self.finish(extra)
+        return blocking, time.perf_counter() - t0, extra
+
+    def start(self, step: int) -> tuple[float, dict]:
+        """What the training loop calls: returns (blocking seconds, extra); the save may go on after."""
         extra: dict = {}
         if self.kind == "lockstep":
             t0 = time.perf_counter()
             slots = lockstep_slots(self.model, self.optimizer)
             t_slots = time.perf_counter()
             stats = self.checkpointer.save(step, slots, {"rank": self.rank}, {"world_size": self.world})
-            blocking = time.perf_counter() - t0
-            done = self.checkpointer.wait()
-            durable = time.perf_counter() - t0
-            if len(done) != 1 or done[0].error:
-                raise SystemExit(f"lockstep save {step} failed: {done}")
-            extra = {"slots_s": t_slots - t0, "inside_save_ms": stats.blocking_ms, "waited_ms": stats.waited_ms,
-                     "write_s": done[0].write_s, "bytes": done[0].bytes}
-            return blocking, durable, extra
+            extra = {"slots_s": t_slots - t0, "inside_save_ms": stats.blocking_ms, "waited_ms": stats.waited_ms}
+            return time.perf_counter() - t0, extra
         ckpt_id = str(self.path(step))
         t0 = time.perf_counter()
+        if self.pending is not None:  # one save in flight at a time, as lockstep's save waits for its previous
+            self.pending.result()
+            self.pending = None
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        t_sd = time.perf_counter()
-        extra["state_dict_s"] = t_sd - t0
+        extra["state_dict_s"] = time.perf_counter() - t0
         if self.kind == "dcp_sync":
             dcp.save(state, checkpoint_id=ckpt_id, process_group=self.pg)
-            blocking = durable = time.perf_counter() - t0
-            return blocking, durable, extra
+            return time.perf_counter() - t0, extra
+        if self.kind == "tckpt_async":
+            self.pending = self.manager.save(ckpt_id, state)
+            return time.perf_counter() - t0, extra
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         kwargs = {"async_checkpointer_type": AsyncCheckpointerType.THREAD if self.kind == "dcp_async_thread"
@@ -153,13 +194,37 @@ class Saver:
         if self.stager is not None:
             kwargs["async_stager"] = self.stager
         future = dcp.async_save(state, checkpoint_id=ckpt_id, process_group=self.pg, **kwargs)
-        blocking = time.perf_counter() - t0
-        upload = getattr(future, "upload_completion", future)
-        upload.result()
-        durable = time.perf_counter() - t0
-        return blocking, durable, extra
+        self.pending = getattr(future, "upload_completion", future)
+        return time.perf_counter() - t0, extra
+
+    def finish(self, extra: dict | None = None) -> None:
+        """Wait until the last started save is durable and visible."""
+        if self.kind == "lockstep":
+            done = self.checkpointer.wait()  # every save finished since the last wait
+            if not done or any(d.error for d in done):
+                raise SystemExit(f"lockstep save failed: {done}")
+            if extra is not None:
+                extra.update(write_s=done[-1].write_s, bytes=done[-1].bytes)
+        elif self.pending is not None:
+            self.pending.result()
+            self.pending = None
+
+    def load(self, step: int) -> None:
+        """Same-layout load of this method's save ``step`` into the live model and optimizer."""
+        if self.kind == "lockstep":
+            self.checkpointer.load(lockstep_slots(self.model, self.optimizer), step)
+            return
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        if self.kind == "tckpt_async":
+            state = dict(self.manager.load(str(self.path(step)), into=state))
+        else:
+            dcp.load(state, checkpoint_id=str(self.path(step)), process_group=self.pg)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
     def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
         if self.checkpointer is not None:
             self.checkpointer.close()
         if self.stager is not None:
@@ -217,7 +282,7 @@ def sharded_phase(args) -> None:
         torch.save(full, root / "reference_full.pt")
     del full
 
-    variants = [v for v in SAVE_VARIANTS if v in args.variants]
+    variants = available_variants([v for v in SAVE_VARIANTS if v in args.variants])
     savers = {v: Saver(v, root, rank, world, model, optimizer, ckpt_pg) for v in variants}
     time.sleep(2.0)  # lockstep's writer processes finish starting (the Trainer builds its Checkpointer at start-up)
     results: dict[str, list] = {v: [] for v in variants}
@@ -278,22 +343,17 @@ def sharded_phase(args) -> None:
     sizes = {v: dir_bytes(d) for v, d in dirs.items()} if rank == 0 else {}
 
     # -- same-layout loads, verified bitwise --
-    loads: dict[str, list[float]] = {"lockstep": [], "dcp": []}
-    dcp_dir = dirs.get("dcp_sync") or next(d for v, d in dirs.items() if v.startswith("dcp"))
+    # lockstep, DCP (dcp_sync's checkpoint) and torch-checkpointing, rotating order
+    load_from = {who: v for who, v in (("lockstep", "lockstep"), ("dcp", "dcp_sync"), ("tckpt", "tckpt_async"))
+                 if v in dirs}
+    loads: dict[str, list[float]] = {who: [] for who in load_from}
     for rnd in range(args.load_rounds):
-        for who in (["lockstep", "dcp"] if rnd % 2 == 0 else ["dcp", "lockstep"]):
-            if who == "lockstep" and "lockstep" not in dirs:
-                continue
+        order = list(load_from)[rnd % len(load_from):] + list(load_from)[:rnd % len(load_from)]
+        for who in order:
             poison(model, optimizer)
             drop_caches(rank, args.drop_caches)
             t0 = time.perf_counter()
-            if who == "lockstep":
-                savers["lockstep"].checkpointer.load(lockstep_slots(model, optimizer), savers["lockstep"].last_step)
-            else:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
-                state = {"model": model_sd, "optim": optim_sd}
-                dcp.load(state, checkpoint_id=str(dcp_dir), process_group=ckpt_pg)
-                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            savers[load_from[who]].load(savers[load_from[who]].last_step)
             seconds = max(gather(time.perf_counter() - t0))
             verify(f"{who} same-layout load", local_tensors(model, optimizer), reference)
             loads[who].append(seconds)
@@ -301,7 +361,7 @@ def sharded_phase(args) -> None:
                 print(f"  load round {rnd} {who:<9} {seconds:6.2f} s  (bitwise equal)", flush=True)
     # every DCP variant's checkpoint holds the same state: load and verify each once
     for v, d in dirs.items():
-        if v in ("lockstep", "dcp_sync"):
+        if v in load_from.values():
             continue
         poison(model, optimizer)
         model_sd, optim_sd = get_state_dict(model, optimizer)
@@ -311,6 +371,8 @@ def sharded_phase(args) -> None:
         verify(f"{v} same-layout load", local_tensors(model, optimizer), reference)
     if rank == 0:
         print("  every checkpoint loads back bitwise equal (same layout)", flush=True)
+
+    loop = training_loop(savers, cfg, model, optimizer, rank, args) if args.loop_steps else {}
 
     for s in savers.values():
         s.close()
@@ -326,13 +388,52 @@ def sharded_phase(args) -> None:
         out = {"size": args.size, "flavor": SIZES[args.size], "params": params, "state_bytes": total_state_bytes,
                "world": world, "first": first, "rounds": results, "loads": loads, "dir_bytes": sizes,
                "dirs": {v: str(d) for v, d in dirs.items()}, "lockstep_step": savers.get("lockstep") and
-               savers["lockstep"].last_step, "profile": profile, "torch": torch.__version__}
+               savers["lockstep"].last_step, "loop": loop, "profile": profile, "torch": torch.__version__}
         Path(args.out).write_text(json.dumps(out, indent=1))
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def training_loop(savers: dict, cfg, model, optimizer, rank: int, args) -> dict:
+    """Train with a save after every step, per async method, and without saves: each iteration's
+    time (the step, then the save call, which waits for the previous save if it is still going)
+    and the step's compute alone, which is what a background writer slows down. Two passes, the
+    order of methods reversed in the second; every rank runs the same steps (FSDP keeps them in
+    lockstep), the slower rank's times count."""
+    methods = ["none", *(v for v in LOOP_VARIANTS if v in savers)]
+    times: dict[str, dict[str, list[float]]] = {m: {"iter_s": [], "step_s": []} for m in methods}
+    step = 10_000
+    for pass_ in range(2):
+        for m in (methods if pass_ == 0 else methods[::-1]):
+            saver = savers.get(m)
+            settle(rank, args.settle)
+            for i in range(args.loop_steps):
+                step += 1
+                t0 = time.perf_counter()
+                train_one_step(cfg, model, optimizer)
+                t1 = time.perf_counter()
+                if saver is not None:
+                    saver.start(step)
+                t2 = time.perf_counter()
+                if rank == 0 and saver is not None:  # the save two back is finished: keep the disk from filling
+                    shutil.rmtree(saver.path(step - 2), ignore_errors=True)
+                if i >= 2:  # the first two: the previous method's leftovers, warm-up
+                    per_rank = gather((t2 - t0, t1 - t0))
+                    times[m]["iter_s"].append(max(r[0] for r in per_rank))
+                    times[m]["step_s"].append(max(r[1] for r in per_rank))
+            if saver is not None:
+                saver.finish()
+                if rank == 0:
+                    for s in (step - 1, step):
+                        shutil.rmtree(saver.path(s), ignore_errors=True)
+            if rank == 0:
+                print(f"  training loop pass {pass_} {m:<22} iteration "
+                      f"{statistics.median(times[m]['iter_s'][-(args.loop_steps - 2):]):6.2f} s  step compute "
+                      f"{statistics.median(times[m]['step_s'][-(args.loop_steps - 2):]):6.2f} s", flush=True)
+    return times
 
 
 # -- resharded phase (one process) ---------------------------------------------------------------
@@ -386,6 +487,7 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=1.0)
     p.add_argument("--variants", default=",".join(SAVE_VARIANTS))
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--loop-steps", type=int, default=8, help="steps per method in the training loop (0: skip)")
     p.add_argument("--drop-caches", action="store_true")
     p.add_argument("--sharded-json", default="")
     args = p.parse_args()

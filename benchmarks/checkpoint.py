@@ -11,18 +11,27 @@ the same disk, dirty pages flushed and a pause between saves so no two writes ov
   fresh staging copy per save), durable at ``future.result()``;
 - ``dcp_async_process``: the same with ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``;
 - ``dcp_async_process_shm``: that plus a reused ``DefaultStager(StagingOptions(use_shared_memory=
-  True))``: cached staging buffers in shared memory, DCP's best CPU configuration.
+  True))``: cached staging buffers in shared memory, DCP's best CPU configuration;
+- ``tckpt_async``: torch-checkpointing's ``CheckpointManager`` (async saver: background staging
+  thread into shared memory, writer process), pinned memory and non-blocking copies off (CPU),
+  O_DIRECT off (ext4 refuses its unaligned writes); no resharder, which needs CUDA (see
+  ``tckpt_manager`` in the worker), so it has no resharded load. Optional: ``pip install -c
+  constraints.txt -e '.[bench]'``; without it its rows are skipped.
 
 Blocking is what the training loop waits for (state-dict/slot construction included: the Trainer
 pays it every save), durable is until the checkpoint is on disk and visible; both are the slower
 rank's. Round 0 (first saves: shared-memory allocation, DCP's daemon start-up) is reported apart.
 Then loads: the same 2-rank layout (lockstep ``Checkpointer.load`` vs ``get_state_dict`` +
-``dcp.load`` + ``set_state_dict``) and resharded 2 -> 1 process (the same calls on an unsharded
-model + AdamW), every loaded tensor compared bitwise with the saved state. Last, ``lockstep train``
+``dcp.load`` + ``set_state_dict`` vs ``CheckpointManager.load`` + ``set_state_dict``) and resharded
+2 -> 1 process (the same calls on an unsharded model + AdamW), every loaded tensor compared bitwise
+with the saved state. Then a training loop in the same processes: 8 steps per method with an async
+save after every step, and without saves, twice (order reversed): the iteration time and the step's
+compute alone, whose growth is what the background writing costs training. Last, ``lockstep train``
 on the same model (FSDP2 x 2) with a checkpoint after every step and without: the blocking the
 Trainer itself records (``checkpoint/blocking_ms``) and the step time around background writes.
 
     .venv/bin/python benchmarks/checkpoint.py [--quick] [--rounds 5] [--dir DIR] [--drop-caches] [--no-trainer]
+        [--loop-steps 8]
 """
 
 from __future__ import annotations
@@ -39,6 +48,7 @@ from pathlib import Path
 
 WORKER = Path(__file__).with_name("_checkpoint_worker.py")
 DCP = ["dcp_sync", "dcp_async_thread", "dcp_async_process", "dcp_async_process_shm"]
+OTHERS = [*DCP, "tckpt_async"]  # every competitor lockstep's saves are compared with
 
 
 def filesystem(path: Path) -> str:
@@ -79,6 +89,8 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled extra lockstep save")
     parser.add_argument("--no-trainer", action="store_true",
                         help="skip the training-loop runs (lockstep train with and without --checkpoint-every 1)")
+    parser.add_argument("--loop-steps", type=int, default=None,
+                        help="training-loop steps per method, the first 2 not timed (default 8; 0: skip)")
     parser.add_argument("--keep", action="store_true", help="keep the scratch directory")
     args = parser.parse_args()
     size = "quick" if args.quick else "full"
@@ -98,11 +110,15 @@ def main() -> None:
             common.append("--drop-caches")
         run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER),
              "sharded", *common, "--out", str(sharded_json), "--rounds", str(rounds), "--settle", str(args.settle),
+             "--loop-steps", str(args.loop_steps if args.loop_steps is not None else (4 if args.quick else 8)),
              *([] if args.no_profile else ["--profile"])], env)
         run([sys.executable, str(WORKER), "reshard", *common, "--out", str(reshard_json),
              "--sharded-json", str(sharded_json)], {**env, "OMP_NUM_THREADS": "2"})
         trainer = None if args.no_trainer else trainer_runs(scratch, args.quick, env)
-        report(json.loads(sharded_json.read_text()), json.loads(reshard_json.read_text()), fs, rounds, args)
+        sharded = json.loads(sharded_json.read_text())
+        report(sharded, json.loads(reshard_json.read_text()), fs, rounds, args)
+        if sharded.get("loop"):
+            report_loop(sharded["loop"])
         if trainer:
             report_trainer(trainer, args.quick)
     finally:
@@ -152,6 +168,23 @@ def report_trainer(t: dict, quick: bool) -> None:
           f"({with_ckpt / without:.2f}x: the background writer shares the 2 vCPUs)")
 
 
+def report_loop(loop: dict) -> None:
+    base_iter, base_step = med(loop["none"]["iter_s"]), med(loop["none"]["step_s"])
+    print(f"\ntraining loop (same processes, FSDP2 x 2, an async save after every step; median of "
+          f"{len(loop['none']['iter_s'])} steps over 2 passes, slower rank)")
+    print(f"{'method':<24} {'iteration s':>12} {'slowdown':>9} {'step compute s':>15} {'slowdown':>9}")
+    for m, t in loop.items():
+        it, st = med(t["iter_s"]), med(t["step_s"])
+        print(f"{m:<24} {it:>12.3f} {it / base_iter:>8.2f}x {st:>15.3f} {st / base_step:>8.2f}x")
+    if "lockstep" in loop:
+        mine = med(loop["lockstep"]["iter_s"])
+        for m in loop:
+            if m not in ("none", "lockstep"):
+                other = med(loop[m]["iter_s"])
+                print(f"target lockstep's slowdown < {m}'s: {'MET' if mine < other else 'NOT MET'} "
+                      f"({mine / base_iter:.2f}x vs {other / base_iter:.2f}x)")
+
+
 def report(s: dict, r: dict, fs: str, rounds: int, args) -> None:
     flavor, changes = s["flavor"]
     print(f"\nllama3 {flavor}{' ' + str(changes) if changes else ''}: {s['params'] / 1e6:.1f}M params, "
@@ -181,23 +214,30 @@ def report(s: dict, r: dict, fs: str, rounds: int, args) -> None:
     if "lockstep" in rows:
         lb, ld = rows["lockstep"]
         print(f"\n{'ratio lockstep / ...':<24} {'blocking':>10} {'durable':>10}")
-        for v in DCP:
+        for v in OTHERS:
             if v in rows:
                 print(f"{v:<24} {lb / rows[v][0]:>9.3f}x {ld / rows[v][1]:>9.2f}x")
         if "dcp_sync" in rows:
             ok1 = lb <= rows["dcp_sync"][0] / 10
             print(f"\ntarget blocking <= 1/10 of dcp_sync: {'MET' if ok1 else 'NOT MET'} "
                   f"({lb:.1f} ms vs {rows['dcp_sync'][0] / 10:.1f} ms)")
-        for v in ("dcp_async_thread", "dcp_async_process", "dcp_async_process_shm"):
+        for v in ("dcp_async_thread", "dcp_async_process", "dcp_async_process_shm", "tckpt_async"):
             if v in rows:
                 print(f"target blocking < {v} blocking: {'MET' if lb < rows[v][0] else 'NOT MET'} "
                       f"({lb:.1f} ms vs {rows[v][0]:.1f} ms)")
     cold = "cold page cache" if args.drop_caches else "warm page cache (just written)"
     print(f"\nloads ({cold}), median seconds, slower rank; every loaded tensor bitwise equal to the saved state")
-    print(f"{'load':<30} {'lockstep s':>11} {'DCP s':>8} {'lockstep / DCP':>15}")
+    print(f"{'load':<30} {'lockstep s':>11} {'DCP s':>8} {'tckpt s':>8} {'lockstep / DCP':>15} "
+          f"{'lockstep / tckpt':>17}")
     for name, loads in (("same layout (2 ranks)", s["loads"]), ("resharded 2 -> 1 process", r["loads"])):
-        a, b = med(loads["lockstep"]), med(loads["dcp"])
-        print(f"{name:<30} {a:>11.2f} {b:>8.2f} {a / b:>14.2f}x")
+        a, b, c = med(loads["lockstep"]), med(loads["dcp"]), med(loads.get("tckpt", []))
+        tc = f"{c:>8.2f}" if loads.get("tckpt") else f"{'n/a':>8}"
+        rc = f"{a / c:>16.2f}x" if loads.get("tckpt") else f"{'n/a (needs CUDA)':>17}"
+        print(f"{name:<30} {a:>11.2f} {b:>8.2f} {tc} {a / b:>14.2f}x {rc}")
+        if name.startswith("resharded"):
+            print(f"  resharded 2 -> 1 rounds: lockstep {', '.join(f'{x:.2f}' for x in loads['lockstep'])} s; "
+                  f"DCP {', '.join(f'{x:.2f}' for x in loads['dcp'])} s; target lockstep <= 1.0x DCP: "
+                  f"{'MET' if a <= b else 'NOT MET'}")
     prof = s.get("profile")
     if prof:
         p0 = prof[0]
