@@ -11,7 +11,8 @@ FOUR_LAYERS = ["--model.n-layers", "4"]  # interleaved / V schedules place 2 sta
 # DeepSeek-V3's aux-loss-free bias update and sequence-wise balance loss (off in the debug recipe)
 BALANCING = ["--model.feed-forward.bias-update-speed", "0.01", "--model.feed-forward.seq-aux-loss-coef", "0.01"]
 #: layouts whose parameters after the steps are compared with one process as well as their losses
-PARAMS_CHECKED = {"tp=2 deepseek (MLA, expert TP, MTP)", "tp=2 moe (expert TP)", "tp=2 x ep=2 moe"}
+PARAMS_CHECKED = {"tp=2 deepseek (MLA, expert TP, MTP)", "tp=2 moe (expert TP)", "tp=2 x ep=2 moe",
+                  "tp=2 x ep=2 deepseek"}
 
 TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("dp_shard=2", "debug", 2, {"dp_shard": 2}, []),
@@ -29,6 +30,8 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("tp=2 deepseek (MLA, expert TP, MTP)", "debug-deepseek", 2, {"tp": 2}, BALANCING),
     ("tp=2 moe (expert TP)", "debug-moe", 2, {"tp": 2}, []),
     ("tp=2 x ep=2 moe", "debug-moe", 4, {"dp_shard": 2, "ep": 2, "tp": 2}, []),
+    # all of it at once: MLA + expert TP inside the ep exchange + MTP, bias counts summed over ep only
+    ("tp=2 x ep=2 deepseek", "debug-deepseek", 4, {"dp_shard": 2, "ep": 2, "tp": 2}, BALANCING),
     ("cp=2 allgather", "debug", 2, {"cp": 2}, []),
     ("cp=2 ring x dp_shard=2", "debug", 4, {"cp": 2, "cp_method": "ring", "dp_shard": 2}, []),
     # MoE under cp: every rank's expert-load metrics reach the record (pp refuses MoE blocks)

@@ -5,11 +5,12 @@ order (sharded grads reduce-scattered, TP partial sums all-reduced, different th
 moves fp32 losses of ~8 by a few 1e-7 per step; a wrong gradient moves them by >1e-3 (measured:
 an untied-by-accident embedding under TP differed by 7e-3 at step 2).
 
-Layouts in ``PARAMS_CHECKED`` also compare every saved parameter after the 5 steps: within 5e-5
+Layouts in ``PARAMS_CHECKED`` also compare every saved parameter after the 5 steps: within 2e-4
 absolute. AdamW's normalised step turns the ~1e-7 relative gradient noise of a reordered reduction
-into parameter differences of up to ~1e-5 (measured: 7e-6 for ep=2 x dp_shard=2, 1e-5 for the tp
-layouts); a missing gradient reduction moves parameters by ~lr = 3e-3 (measured: MLA under tp=2
-without the shared rotary key's gradient sum, 1.5e-2 on ``wkv_a``, while its losses moved 2e-4).
+into parameter differences, largest on embedding rows of rare tokens whose gradients are tiny
+(measured: 1e-5 for the tp=2 layouts, 4e-5 for deepseek at dp_shard=2, 8e-5 at tp=2 x ep=2); a
+missing gradient reduction moves parameters by ~lr = 3e-3 per step (measured: MLA under tp=2 without
+the shared rotary key's gradient sum, 1.5e-2 on ``wkv_a``, while its losses moved 2e-4).
 """
 
 import json
@@ -76,7 +77,7 @@ def test_layout_matches_one_process(tmp_path, reference, name, recipe, nproc, de
         got, want = load_file(run_dir / "model.safetensors"), load_file(ref_dir / "model.safetensors")
         assert got.keys() == want.keys()
         worst = max(((got[k] - want[k]).abs().max().item(), k) for k in want)
-        assert worst[0] <= 5e-5, (name, worst)
+        assert worst[0] <= 2e-4, (name, worst)
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["parallel"]["world_size"] == nproc
     assert manifest["parallel"]["parity_test"].endswith(f"[{name}]")  # the manifest names this test
