@@ -4,15 +4,17 @@ Every weights file lockstep writes (a run's ``model.safetensors``, lockstep mode
 Face exports and their shards) goes through :func:`write_weights`: a standard safetensors file
 (``safetensors`` and ``transformers`` read it unchanged) whose ``__metadata__`` also holds
 
-- ``lockstep.data_sha256``: sha256 of the data region (every tensor byte, in file order);
+- ``lockstep.data_sha256``: the sha256 of each ``lockstep.block_bytes`` (32 MiB) block of the data
+  region (every tensor byte, in file order), comma-separated: blocks hash in parallel, on every core;
 - ``lockstep.table_sha256``: sha256 of the header without these two keys (canonical JSON: names,
   dtypes, shapes, offsets, other metadata), so a damaged header is named as such.
 
-The writer hashes each chunk as it writes it (a placeholder digest first, then the header rewritten
+The writer hashes the bytes as it writes them (placeholder digests first, then the header rewritten
 in place: a hex digest always has 64 characters). The reader parses and checks the header itself
-(never a raw ``SafetensorError``) and hashes each chunk right after reading it into the tensor that
-needs it, on a second thread while the next chunk is read: verifying costs no second pass over the
-file. Any problem is one :class:`WeightsError` naming the file and what is wrong.
+(never a raw ``SafetensorError``), reads each tensor's bytes once into the tensor, and hands each
+completed block to a thread pool while it reads on: verifying costs no second pass over the file,
+and about the hashing time divided by the cores. Any problem is one :class:`WeightsError` naming
+the file and what is wrong (a mismatch names the block's tensors).
 
 Files without checksums (third-party Hugging Face directories, files of an older lockstep) cannot be
 verified: loading them needs ``allow_unverified`` (``--allow-unverified-weights``), and then warns;
@@ -21,7 +23,6 @@ a checksum that is present is always checked (docs/generation.md, "Verified weig
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import hashlib
 import io
@@ -41,14 +42,15 @@ from lockstep.config.base import ConfigError
 
 DATA_KEY = "lockstep.data_sha256"
 TABLE_KEY = "lockstep.table_sha256"
+BLOCK_KEY = "lockstep.block_bytes"
+BLOCK_BYTES = 32 << 20
 PRODUCER = {"format": "pt", "producer": "lockstep"}
 #: the user-facing names of the opt-out (CLI flag; Python keyword)
 FLAG = "--allow-unverified-weights"
 KWARG = "allow_unverified=True"
-_CHUNK = 1 << 20  # hashed while still in cache
-_QUEUED = 32  # chunks read ahead of the hasher
+_CHUNK = 4 << 20  # one read call
+_WORKERS = max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 _MAX_HEADER = 100_000_000  # safetensors' own limit
-_PLACEHOLDER = "0" * 64
 _DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
@@ -83,12 +85,57 @@ def _encode_header(header: dict) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+def _sha256(pieces: list[memoryview]) -> str:
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.hexdigest()
+
+
+class _BlockHasher:
+    """The sha256 of each ``block``-byte block of a byte stream handed over in pieces, in order. Each
+    completed block is hashed on ``pool`` (hashlib releases the GIL), while the caller goes on
+    reading or writing; at most two blocks per worker are in flight (the pieces stay alive until then)."""
+
+    def __init__(self, pool: ThreadPoolExecutor, block: int) -> None:
+        self.pool, self.block = pool, block
+        self.pieces: list[memoryview] = []
+        self.size = 0
+        self.futures: list[Future] = []
+        self.done = 0
+
+    def add(self, piece: memoryview) -> None:
+        while len(piece):
+            take = min(len(piece), self.block - self.size)
+            self.pieces.append(piece[:take])
+            self.size += take
+            piece = piece[take:]
+            if self.size == self.block:
+                self._submit()
+
+    def _submit(self) -> None:
+        pieces, self.pieces, self.size = self.pieces, [], 0
+        self.futures.append(self.pool.submit(_sha256, pieces))
+        if len(self.futures) - self.done > 2 * _WORKERS:
+            self.futures[self.done].result()
+            self.done += 1
+
+    def hexdigests(self) -> list[str]:
+        if self.pieces:
+            self._submit()
+        return [f.result() for f in self.futures]
+
+
+def _placeholder(data_bytes: int, block: int) -> str:
+    return ",".join(["0" * 64] * -(-data_bytes // block))
+
+
 def _write(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None, where: str) -> str:
-    """Write the checksummed file to ``out`` (seekable) from its start; returns the data sha256.
-    Tensors are laid out as safetensors does (widest dtype first, then by name), so every tensor is
-    aligned for readers that map the file."""
+    """Write the checksummed file to ``out`` (seekable) from its start; returns its data checksum
+    (the block digests). Tensors are laid out as safetensors does (widest dtype first, then by
+    name), so every tensor is aligned for readers that map the file."""
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
-    header: dict = {"__metadata__": {**PRODUCER, **(metadata or {})}}
+    header: dict = {"__metadata__": {**PRODUCER, **(metadata or {}), BLOCK_KEY: str(BLOCK_BYTES)}}
     offset = 0
     for name in order:
         tensor = tensors[name]
@@ -99,22 +146,23 @@ def _write(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, 
                         "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     header["__metadata__"][TABLE_KEY] = _table_digest(header)
-    header["__metadata__"][DATA_KEY] = _PLACEHOLDER
+    header["__metadata__"][DATA_KEY] = _placeholder(offset, BLOCK_BYTES)
     placeholder = _encode_header(header)
-    digest = hashlib.sha256()
     out.write(placeholder)
-    for name in order:
-        data = _bytes_of(tensors[name].detach().cpu().contiguous())
-        for start in range(0, len(data), _CHUNK):
-            piece = data[start:start + _CHUNK]
-            digest.update(piece)
-            out.write(piece)
-    header["__metadata__"][DATA_KEY] = digest.hexdigest()
+    with ThreadPoolExecutor(max_workers=_WORKERS) as pool:
+        hasher = _BlockHasher(pool, BLOCK_BYTES)
+        for name in order:
+            data = memoryview(_bytes_of(tensors[name].detach().cpu().contiguous()))
+            hasher.add(data)
+            for start in range(0, len(data), _CHUNK):
+                out.write(data[start:start + _CHUNK])
+        checksum = ",".join(hasher.hexdigests())
+    header["__metadata__"][DATA_KEY] = checksum
     final = _encode_header(header)
-    assert len(final) == len(placeholder)  # the digest replaced a placeholder of its own length
+    assert len(final) == len(placeholder)  # each digest replaced a placeholder of its own length
     out.seek(0)
     out.write(final)
-    return digest.hexdigest()
+    return checksum
 
 
 def write_weights(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str],
@@ -163,8 +211,17 @@ class WeightsHeader:
 
     @property
     def checksum(self) -> str | None:
-        """The data sha256 the file carries (None: written without checksums)."""
+        """The data checksum the file carries: its blocks' sha256, comma-separated (None: written
+        without checksums)."""
         return self.metadata.get(DATA_KEY)
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self.metadata[BLOCK_KEY])
+
+    def tensors_in(self, begin: int, end: int) -> list[str]:
+        """Names of the tensors overlapping data bytes ``[begin, end)``."""
+        return [name for name, e in self.entries.items() if e.begin < end and e.end > begin]
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -211,9 +268,14 @@ def read_header(path: str | os.PathLike[str]) -> WeightsHeader:
         raise _corrupt(path, f"{data_size - expected} unexpected bytes after the last tensor")
     if (DATA_KEY in metadata) != (TABLE_KEY in metadata):
         raise _corrupt(path, f"bad header: holds only one of {DATA_KEY} and {TABLE_KEY}")
-    if TABLE_KEY in metadata and _table_digest(header) != metadata[TABLE_KEY]:
-        raise _corrupt(path, "bad header: the tensor table does not match its checksum (the header was damaged "
-                             "or edited)")
+    if TABLE_KEY in metadata:
+        if _table_digest(header) != metadata[TABLE_KEY]:
+            raise _corrupt(path, "bad header: the tensor table does not match its checksum (the header was "
+                                 "damaged or edited)")
+        block = int(metadata[BLOCK_KEY]) if metadata.get(BLOCK_KEY, "").isdigit() else 0
+        digests = metadata[DATA_KEY].split(",") if metadata[DATA_KEY] else []
+        if block <= 0 or len(digests) != -(-data_size // block) or any(len(d) != 64 for d in digests):
+            raise _corrupt(path, f"bad header: {DATA_KEY} is not one sha256 per {BLOCK_KEY} block of the data")
     return WeightsHeader(path, entries, dict(metadata), 8 + n)
 
 
@@ -261,35 +323,20 @@ def require_checksums(headers: Iterable[WeightsHeader], allow_unverified: bool, 
                   stacklevel=3)
 
 
-class _Hasher:
-    """sha256 of the pieces handed to it, in order, computed on one worker thread (hashlib releases
-    the GIL) in batches of at least a chunk, so many small tensors cost few hand-offs."""
-
-    def __init__(self, pool: ThreadPoolExecutor) -> None:
-        self.digest = hashlib.sha256()
-        self.pool = pool
-        self.batch: list[memoryview] = []
-        self.size = 0
-        self.pending: collections.deque[Future] = collections.deque()
-
-    def add(self, piece: memoryview) -> None:
-        self.batch.append(piece)
-        self.size += len(piece)
-        if self.size >= _CHUNK:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self.batch:
-            batch, self.batch, self.size = self.batch, [], 0
-            self.pending.append(self.pool.submit(lambda: [self.digest.update(p) for p in batch]))
-            if len(self.pending) > _QUEUED:  # bounded read-ahead
-                self.pending.popleft().result()
-
-    def hexdigest(self) -> str:
-        self._flush()
-        while self.pending:
-            self.pending.popleft().result()
-        return self.digest.hexdigest()
+def _compare(header: WeightsHeader, actual: list[str]) -> None:
+    """A WeightsError naming the first block whose sha256 differs from the header's, and its tensors."""
+    expected = header.checksum.split(",") if header.checksum else []
+    bad = [i for i, (a, e) in enumerate(zip(actual, expected)) if a != e]
+    if not bad:
+        return
+    block = header.block_bytes
+    begin = bad[0] * block
+    end = min(begin + block, max((e.end for e in header.entries.values()), default=0))
+    names = header.tensors_in(begin, end)
+    shown = ", ".join(names[:3]) + (f", ... ({len(names) - 3} more)" if len(names) > 3 else "")
+    raise _corrupt(header.path, f"sha256 of data bytes [{begin}, {end}) (tensor(s) {shown}) is {actual[bad[0]][:16]}"
+                                f"..., the header says {expected[bad[0]][:16]}...; {len(bad)} of {len(expected)} "
+                                "block(s) differ (bit rot, a partial copy or tampering)")
 
 
 def read_tensors(header: WeightsHeader, names: Iterable[str] | None = None, *,
@@ -301,8 +348,8 @@ def read_tensors(header: WeightsHeader, names: Iterable[str] | None = None, *,
     verify = header.checksum is not None
     out: dict[str, torch.Tensor] = {}
     try:
-        with open(header.path, "rb") as handle, ThreadPoolExecutor(max_workers=1) as pool:
-            hasher = _Hasher(pool)
+        with open(header.path, "rb") as handle, ThreadPoolExecutor(max_workers=_WORKERS) as pool:
+            hasher = _BlockHasher(pool, header.block_bytes if verify else 1)
             handle.seek(header.data_start)
             for name, entry in header.entries.items():
                 if name not in wanted and not verify:
@@ -312,7 +359,7 @@ def read_tensors(header: WeightsHeader, names: Iterable[str] | None = None, *,
                 data = _bytes_of(tensor) if tensor is not None else None
                 for start in range(0, entry.end - entry.begin, _CHUNK):
                     stop = min(start + _CHUNK, entry.end - entry.begin)
-                    # a fresh scratch buffer for bytes nobody wants: the hasher may still be reading the last one
+                    # a fresh scratch buffer for bytes nobody wants: a hashing thread may still read the last one
                     piece = memoryview(data[start:stop]) if data is not None else memoryview(bytearray(stop - start))
                     if handle.readinto(piece) != stop - start:
                         raise _corrupt(header.path, f"truncated while reading tensor {name!r} (the file shrank?)")
@@ -320,12 +367,11 @@ def read_tensors(header: WeightsHeader, names: Iterable[str] | None = None, *,
                         hasher.add(piece)
                 if tensor is not None:
                     out[name] = tensor
-            actual = hasher.hexdigest() if verify else None
+            actual = hasher.hexdigests() if verify else []
     except OSError as err:
         raise WeightsError(f"{header.path}: cannot read ({err.strerror or err})") from None
-    if verify and actual != header.checksum:
-        raise _corrupt(header.path, f"sha256 of the tensor data is {actual[:16]}..., the header says "
-                                    f"{header.checksum[:16]}... (bit rot, a partial copy or tampering)")
+    if verify:
+        _compare(header, actual)
     for name, tensor in out.items():
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)

@@ -292,3 +292,20 @@ def test_init_from_an_unverifiable_directory_needs_the_config_field(tmp_path):
     with pytest.warns(UnverifiedWeightsWarning):
         trainer = Trainer(cfg)
     assert _equal_states(trainer.model, source)
+
+
+def test_block_checksums_name_the_damaged_tensor(tmp_path, monkeypatch):
+    """Data is hashed per block (in parallel); a mismatch names the block's byte range and tensors."""
+    from lockstep.models.hf import verified
+
+    monkeypatch.setattr(verified, "BLOCK_BYTES", 4096)
+    tensors = {f"t{i}": torch.randn(1024) for i in range(8)}  # 4 KiB each: one block per tensor
+    file = tmp_path / "w.safetensors"
+    write_weights(tensors, file)
+    header = read_header(file)
+    assert header.block_bytes == 4096 and len(header.checksum.split(",")) == 8
+    assert all(torch.equal(v, tensors[k]) for k, v in read_tensors(header).items())
+    _flip_bit(file, header.data_start + header.entries["t5"].begin + 100, 3)
+    with pytest.raises(WeightsError, match=r"sha256 of data bytes \[20480, 24576\) \(tensor\(s\) t5\) .* "
+                                           r"1 of 8 block\(s\) differ"):
+        read_tensors(read_header(file))
