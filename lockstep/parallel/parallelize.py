@@ -117,7 +117,8 @@ def _require_tp_blocks(model: nn.Module) -> None:
     blocks = dict(model.layers.items())
     blocks.update({f"mtp.{k}.block": layer.block for k, layer in (getattr(model, "mtp", None) or {}).items()})
     for name, block in blocks.items():
-        if not isinstance(block.attention, attention) or not isinstance(block.feed_forward, (SwiGLU, MoE)):
+        # exact types: a subclass (e.g. gated attention) may project differently than the plan assumes
+        if type(block.attention) not in attention or type(block.feed_forward) not in (SwiGLU, MoE):
             raise ConfigError(
                 f"parallel.tp: the tensor-parallel plan covers GQA or MLA attention + SwiGLU or MoE blocks; "
                 f"{name if name.startswith('mtp') else 'layers.' + name} has {type(block.attention).__name__} + "

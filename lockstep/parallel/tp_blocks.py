@@ -69,6 +69,9 @@ class PartialRowwise(RowwiseParallel):
 def check_tp_divides(model: nn.Module, tp: int) -> None:
     """ConfigError naming the field when tp does not split an MLA or MoE layer evenly."""
     for name, module in model.named_modules():
+        if getattr(module, "sinks", None) is not None:  # per-head parameters the plan does not split
+            raise ConfigError(f"parallel.tp: attention sinks (model.attention.sinks) are not split over tp yet "
+                              f"({name}); use tp=1 with dp_shard/ep")
         if isinstance(module, MultiHeadLatentAttention) and module.n_heads % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide model.n_heads={module.n_heads} ({name})")
         if isinstance(module, MoE):

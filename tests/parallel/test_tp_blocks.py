@@ -26,12 +26,20 @@ def test_ep_with_tp_resolves_to_an_ep_by_tp_mesh():
 @pytest.mark.parametrize("family, tp, message", [
     ("deepseek_v3", 8, r"parallel.tp: 8 does not divide model.n_heads=4 \(layers.0.attention\)"),
     ("qwen3_moe", 64, r"parallel.tp: 64 does not divide the expert hidden size model.feed_forward.moe_ffn_dim=32"),
-    ("gpt_oss", 2, r"parallel.tp: expert tensor parallelism does not support model.feed_forward.expert_bias"),
+    ("gpt_oss", 2, r"parallel.tp: attention sinks \(model.attention.sinks\) are not split over tp yet"),
 ])
 def test_tp_plan_refuses_what_it_cannot_split(family, tp, message):
     model = build_meta_model(model_config(family, "debug"))
     with pytest.raises(ConfigError, match=message):
         check_tp_divides(model, tp)
+
+
+def test_tp_plan_refuses_expert_biases():
+    cfg = model_config("qwen3_moe", "debug")
+    cfg.feed_forward.expert_bias = True
+    with pytest.raises(ConfigError, match=r"parallel.tp: expert tensor parallelism does not support "
+                                          r"model.feed_forward.expert_bias"):
+        check_tp_divides(build_meta_model(cfg), 2)
 
 
 def test_tp_plan_accepts_the_debug_shapes_at_tp2():
@@ -127,3 +135,13 @@ def test_expert_tp_moe_layer_matches_one_process(tmp_path):
         assert res["is_tp"] and res["scale"] > 0.1
         assert max(res["diffs"].values()) < 1e-6, (rank, res["diffs"])
         assert res["reset"] == 0.0
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_tp_plan_refuses_other_block_kinds_by_name(family):
+    from lockstep.parallel.parallelize import apply_dense_tp
+
+    model = build_meta_model(model_config(family, "debug"))
+    with pytest.raises(ConfigError, match=r"parallel.tp: the tensor-parallel plan covers GQA or MLA attention "
+                                          r"\+ SwiGLU or MoE blocks; layers.0 has GatedDeltaNet"):
+        apply_dense_tp(model, None)  # refused before any mesh is touched
