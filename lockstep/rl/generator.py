@@ -73,7 +73,9 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
         # generator), unless a lost generator's batches come its way meanwhile
         needed = receiver.last if step is None else max(start, step - 1 - config.workers.max_offpolicy_steps)
         live.phase(f"receiving weights version {needed}" + ("" if step is None else f" for batch {step}"))
-        waited = receiver.wait_for(needed, interrupt=lambda: live.changes != seen)
+        # with one generator no batch can come its way: wait blocking, as without liveness
+        interrupt = (lambda: live.changes != seen) if layout.n_generators > 1 else None
+        waited = receiver.wait_for(needed, interrupt=interrupt)
         if waited is None:
             continue  # a generator was lost: this one may own an earlier batch now
         if step is None:

@@ -147,7 +147,7 @@ class RLTrainer:
             raise  # the generators were told
         except BaseException as err:
             if self.fleet is not None:  # the generators leave instead of waiting for this process
-                self.fleet.live.stop_all(f"the trainer failed: {type(err).__name__}")
+                self.fleet.live.stop_all(f"the trainer stopped: {type(err).__name__}")
             raise
 
     def _phase(self, text: str) -> None:

