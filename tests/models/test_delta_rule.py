@@ -7,6 +7,7 @@ import torch
 from lockstep.models.common.delta_rule import (
     chunk_gated_delta_rule,
     gated_delta_step,
+    invariant_gated_delta_rule,
     l2_normalize,
     recurrent_gated_delta_rule,
 )
@@ -88,3 +89,13 @@ def test_gradients_of_chunked_match_recurrence():
         grads.append([x.grad for x in xs])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_batch_invariant_form_computes_the_recurrence():
+    """The batch-invariant recurrence (state kept transposed, last-dim sums) is the same function."""
+    q, k, v, g, beta = inputs(t=23)
+    s0 = torch.randn(2, 3, 8, 6)
+    ref, ref_state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
+    out, state = invariant_gated_delta_rule(q, k, v, g, beta, initial_state=s0)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(state, ref_state, atol=ATOL, rtol=0)

@@ -215,12 +215,3 @@ def test_real_shapes_match_transformers_parameter_count(family, flavor, hf_type)
     print(f"{family}/{flavor}: {n_ours / 1e9:.2f}B parameters")
     assert n_ours == n_theirs
 
-
-def test_batch_invariant_mode_is_refused_by_name():
-    """No batch-invariant delta-rule kernels yet: the mode fails loudly instead of silently differing."""
-    from lockstep import numerics
-    from lockstep.config.base import ConfigError
-
-    model = build_model(model_config("qwen3_5", "debug"), seed=0)
-    with numerics.batch_invariant(True), pytest.raises(ConfigError, match=r"numerics\.batch_invariant: Gated DeltaNet"):
-        model(torch.zeros(1, 4, dtype=torch.long))

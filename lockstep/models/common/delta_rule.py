@@ -119,3 +119,38 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
     out = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :t]
     return out.transpose(1, 2).contiguous().to(dtype), state
+
+
+def invariant_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recurrence in batch-invariant mode: same arguments and results as
+    :func:`recurrent_gated_delta_rule`, but every token's arithmetic is fixed whatever the batch and
+    whichever path runs it (a trainer's full sequence, a generator's prefill or its decode step):
+
+    * the state is kept as ``[B, H, Dv, Dk]`` so both reductions (the state's prediction of ``v``
+      and the output) are sums over the last dim, which this CPU's kernels compute per row
+      independently of the other rows (``lockstep.ops.batch_invariant``);
+    * the one transcendental, ``exp(g)``, goes through ``numerics.rowwise``;
+    * the rest is elementwise multiply/add, exact per element.
+
+    Cost: ``T`` sequential steps of small ops per layer (no chunk parallelism), so a trainer's
+    batch-invariant forward of a hybrid model is slower than its chunked one (``docs/hybrid.md``)."""
+    from lockstep import numerics
+
+    dtype = q.dtype
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    q, k, v, g, beta = _to_heads_first(q, k, v, g, beta)
+    q = q * dk ** -0.5
+    state = _initial(initial_state, b, h, dk, dv, v).transpose(-1, -2).contiguous()
+    decay = numerics.rowwise(torch.exp, g)
+    outs = []
+    for i in range(t):
+        k_t = k[:, :, i, None, :]
+        state = state * decay[:, :, i, None, None]
+        delta = (v[:, :, i] - (state * k_t).sum(dim=-1)) * beta[:, :, i, None]
+        state = state + delta[..., None] * k_t
+        outs.append((state * q[:, :, i, None, :]).sum(dim=-1))
+    out = torch.stack(outs, dim=2) if outs else v.new_zeros(b, h, 0, dv)
+    return out.transpose(1, 2).contiguous().to(dtype), state.transpose(-1, -2).contiguous()

@@ -17,6 +17,11 @@ delta-rule state through ``cache.recurrent_state()`` / ``cache.set_recurrent_sta
 (:mod:`lockstep.generate.recurrent`), runs the recurrence for single-token steps, and for a
 right-padded prefill (``cache.valid_lengths()``) zeroes ``g`` and ``beta`` of the padding so each
 row's state stops at its last real token.
+
+In batch-invariant mode (:mod:`lockstep.numerics`) training, prefill and decode all run
+:func:`~lockstep.models.common.delta_rule.invariant_gated_delta_rule` and the conv as taps summed in
+a fixed order, with the transcendentals through ``numerics.rowwise``: a token's bits are then the
+same in a trainer's forward and a generator's step (docs/hybrid.md).
 """
 
 from __future__ import annotations
@@ -29,9 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep import numerics
-from lockstep.config.base import ConfigError, require, require_choice, require_positive
+from lockstep.config.base import require, require_choice, require_positive
 from lockstep.models.common.attention import AttentionConfig
-from lockstep.models.common.delta_rule import chunk_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule
+from lockstep.models.common.delta_rule import (
+    chunk_gated_delta_rule,
+    invariant_gated_delta_rule,
+    l2_normalize,
+    recurrent_gated_delta_rule,
+)
 
 PROJECTIONS = ["split", "grouped"]
 
@@ -83,7 +93,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+        return (self.weight * normed * numerics.rowwise(F.silu, gate.float())).to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -152,34 +162,41 @@ class GatedDeltaNet(nn.Module):
             x = F.pad(x, (k - 1, 0))
         else:
             x = torch.cat([window.to(x.dtype), x], dim=-1)
-        out = F.silu(F.conv1d(x, self.conv1d.weight, groups=self.conv_dim))
+        if numerics.is_batch_invariant():  # taps summed in a fixed order, elementwise: no conv kernel choice
+            seq, w = x.shape[-1] - (k - 1), self.conv1d.weight[:, 0].to(x.dtype)
+            conv = x[:, :, :seq] * w[:, :1]
+            for j in range(1, k):
+                conv = conv + x[:, :, j:j + seq] * w[:, j:j + 1]
+            out = numerics.rowwise(F.silu, conv.transpose(1, 2))
+        else:
+            out = F.silu(F.conv1d(x, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)
         if lengths is None:
-            return out.transpose(1, 2), x[:, :, x.shape[-1] - (k - 1):]
+            return out, x[:, :, x.shape[-1] - (k - 1):]
         index = (lengths[:, None] + torch.arange(k - 1, device=x.device))[:, None].expand(-1, x.shape[1], -1)
-        return out.transpose(1, 2), x.gather(2, index)
+        return out, x.gather(2, index)
 
     def forward(self, x: torch.Tensor, rope: Any = None, cache: Any = None) -> torch.Tensor:
-        if numerics.is_batch_invariant():
-            raise ConfigError("numerics.batch_invariant: Gated DeltaNet layers (qwen3_next, qwen3_5) have no "
-                              "batch-invariant kernels yet (conv, delta rule); turn the mode off for these families")
+        invariant = numerics.is_batch_invariant()
         bsz, seq, _ = x.shape
         qkv, z, b, a = self._project(x)
         window, state = cache.recurrent_state() if cache is not None else (None, None)
         lengths = cache.valid_lengths() if cache is not None else None
         mixed, next_window = self._conv(qkv, window, lengths)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2_normalize(q.reshape(bsz, seq, self.n_k, self.dk).float())
-        k = l2_normalize(k.reshape(bsz, seq, self.n_k, self.dk).float())
+        q = _l2(q.reshape(bsz, seq, self.n_k, self.dk).float(), invariant)
+        k = _l2(k.reshape(bsz, seq, self.n_k, self.dk).float(), invariant)
         v = v.reshape(bsz, seq, self.n_v, self.dv)
         if self.n_v != self.n_k:  # each key head serves n_v / n_k consecutive value heads
             q = q.repeat_interleave(self.n_v // self.n_k, dim=2)
             k = k.repeat_interleave(self.n_v // self.n_k, dim=2)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        beta = numerics.rowwise(torch.sigmoid, b)
+        g = -numerics.rowwise(torch.exp, self.A_log.float()) * numerics.rowwise(F.softplus, a.float() + self.dt_bias)
         if lengths is not None:  # right padding of a batched prefill: no decay, no write
             real = torch.arange(seq, device=x.device)[None] < lengths[:, None]
             g, beta = g * real[..., None], beta * real[..., None]
-        if cache is not None and seq == 1:
+        if invariant:  # one construction for trainer, prefill and decode (see invariant_gated_delta_rule)
+            out, state = invariant_gated_delta_rule(q, k, v, g, beta, initial_state=state)
+        elif cache is not None and seq == 1:
             out, state = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state)
         else:
             out, state = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=self.config.chunk_size,
@@ -188,3 +205,10 @@ class GatedDeltaNet(nn.Module):
             cache.set_recurrent_state(next_window, state)
         out = self.norm(out.to(x.dtype), z)
         return self.wo(out.reshape(bsz, seq, self.value_dim))
+
+
+def _l2(x: torch.Tensor, invariant: bool) -> torch.Tensor:
+    """L2 normalisation of the last dim (the rsqrt through ``numerics.rowwise`` when invariant)."""
+    if not invariant:
+        return l2_normalize(x)
+    return x * numerics.rowwise(torch.rsqrt, (x * x).sum(dim=-1, keepdim=True) + 1e-6)

@@ -325,7 +325,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             shared = self.shared_experts(flat)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+                shared = numerics.rowwise(torch.sigmoid, self.shared_expert_gate(flat)) * shared
             out = out + shared
         self._record(counts, scores, indices, shape)
         return out.view(shape)
