@@ -18,6 +18,14 @@ Per forward the engine calls :meth:`PagedKVCache.set_step` with the step's
 context through its block table (``index_select`` over whole blocks), run the layer backend's
 KV-cache variant (:func:`lockstep.ops.attention.get_cached_attention`), or its paged variant for a
 decode step that reads the pools in place (``AttentionBackend.paged``).
+
+Sliding-window layers (GPT-OSS; ``LayerLayout.window > 0``) keep only the window: they have pools
+of their own, and each sequence holds a ring of :func:`window_span` blocks of them (its
+``window_blocks``, reserved at admission). Logical block ``j`` of the sequence lives in ring block
+``j % span``, which is free again once every position of block ``j - span`` has left the window;
+their block tables (:func:`window_tables`) list only the blocks that intersect the window (the null
+block elsewhere, masked out by the window). A prefill starts at position 0, so these layers attend
+over the new keys/values themselves and store only the positions the window still needs.
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ class LayerLayout:
     key_dim: int
     #: value width ("kv": head_dim; "latent": kv_lora_rank, the first columns of the latent)
     value_dim: int
+    #: sliding window of the layer ("kv"): it caches only its last ``window`` positions; 0 for all
+    window: int = 0
 
     def elements_per_token(self) -> int:
         return self.heads * (self.key_dim + self.value_dim) if self.kind == "kv" else self.key_dim
@@ -64,7 +74,7 @@ def layer_layouts(model: nn.Module) -> dict[str, LayerLayout]:
             layouts[name] = LayerLayout("latent", 1, attn.kv_lora_rank + attn.qk_rope_head_dim, attn.kv_lora_rank)
         elif isinstance(attn, GroupedQueryAttention):
             heads = attn.wk.out_features // attn.head_dim
-            layouts[name] = LayerLayout("kv", heads, attn.head_dim, attn.head_dim)
+            layouts[name] = LayerLayout("kv", heads, attn.head_dim, attn.head_dim, attn.window)
         else:
             raise TypeError(f"{path}: {type(attn).__name__} has no KV-cache path (GroupedQueryAttention and "
                             f"MultiHeadLatentAttention do)")
@@ -85,6 +95,29 @@ class StepMetadata:
     block_tables: torch.Tensor
     #: [B, T] absolute position of every new token (padding rows: 0)
     q_positions: torch.Tensor
+    #: sliding-window layers' slot mapping and block tables (their own pools; None without such layers)
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
+    #: a prefill: every sequence starts at position 0, so the new tokens are the whole context
+    fresh: bool = False
+
+
+def window_span(window: int, block_size: int) -> int:
+    """Ring blocks a sequence needs for a sliding window: positions ``p - window + 1 .. p`` touch at
+    most ``(window - 1) // block_size + 2`` blocks."""
+    return (window - 1) // block_size + 2
+
+
+def window_tables(rings: torch.Tensor, latest: torch.Tensor, n_blocks: int, block_size: int,
+                  window: int) -> torch.Tensor:
+    """``[B, n_blocks]`` block tables of sliding-window layers: logical block ``j`` is ring block
+    ``rings[b, j % span]`` where it intersects positions ``latest[b] - window + 1 .. latest[b]``,
+    the null block elsewhere (``rings [B, span]``, ``latest [B]``)."""
+    j = torch.arange(n_blocks)[None]
+    first = (latest - window + 1).clamp(min=0)[:, None] // block_size
+    live = (j >= first) & (j <= latest[:, None] // block_size)
+    ring = rings.gather(1, (j % rings.shape[1]).expand(rings.shape[0], n_blocks))
+    return torch.where(live, ring, 0)
 
 
 class BlockAllocator:
@@ -113,17 +146,23 @@ class LayerCache:
     def __init__(self, owner: "PagedKVCache", layout: LayerLayout, pools: tuple[torch.Tensor, ...]) -> None:
         self.owner, self.layout, self.pools = owner, layout, pools
 
+    def _slots_and_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        meta = self.owner.meta
+        if self.layout.window:
+            return meta.window_slot_mapping, meta.window_block_tables
+        return meta.slot_mapping, meta.block_tables
+
     def _store(self, pool: torch.Tensor, new: torch.Tensor) -> None:
         """Write ``new [B, T, ...]`` at the step's slots."""
         flat = pool.view(-1, *pool.shape[2:])
-        flat.index_copy_(0, self.owner.meta.slot_mapping, new.reshape(-1, *pool.shape[2:]).to(pool.dtype))
+        flat.index_copy_(0, self._slots_and_tables()[0], new.reshape(-1, *pool.shape[2:]).to(pool.dtype))
 
     def _store_and_gather(self, pool: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write ``new [B, T, ...]`` at the step's slots; return the contexts ``[B, S, ...]``."""
         self._store(pool, new)
-        meta = self.owner.meta
-        b, n_blocks = meta.block_tables.shape
-        return pool.index_select(0, meta.block_tables.reshape(-1)).view(b, n_blocks * pool.shape[1], *pool.shape[2:])
+        tables = self._slots_and_tables()[1]
+        b, n_blocks = tables.shape
+        return pool.index_select(0, tables.reshape(-1)).view(b, n_blocks * pool.shape[1], *pool.shape[2:])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
                scale: float | None = None, **sink_window: Any) -> torch.Tensor:
@@ -137,11 +176,16 @@ class LayerCache:
         paged = self.owner.paged.get(backend)
         if sink_window and paged is not None and not paged.sinks_and_windows:
             paged = None
-        if paged is not None and paged.usable(q, k_pool, v_pool):
-            meta = self.owner.meta
+        meta = self.owner.meta
+        if self.layout.window and meta.fresh:  # prefill from position 0: the new tokens are the context
             self._store(k_pool, k.transpose(1, 2))
             self._store(v_pool, v.transpose(1, 2))
-            return paged.attend(q, k_pool, v_pool, meta.block_tables, meta.q_positions, scale, **sink_window)
+            return get_cached_attention(backend)(q, k, v, q_positions=meta.q_positions, scale=scale, **sink_window)
+        if paged is not None and paged.usable(q, k_pool, v_pool):
+            self._store(k_pool, k.transpose(1, 2))
+            self._store(v_pool, v.transpose(1, 2))
+            return paged.attend(q, k_pool, v_pool, self._slots_and_tables()[1], meta.q_positions, scale,
+                                **sink_window)
         k_ctx = self._store_and_gather(k_pool, k.transpose(1, 2)).transpose(1, 2)
         v_ctx = self._store_and_gather(v_pool, v.transpose(1, 2)).transpose(1, 2)
         fn = get_cached_attention(backend)
@@ -161,9 +205,17 @@ class PagedKVCache:
     """Block pools for every layer of a model, the allocator, and the current step's metadata."""
 
     def __init__(self, layouts: dict[str, LayerLayout], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", *, in_place_decode: bool = True) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", *, in_place_decode: bool = True,
+                 window_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"KV cache: need at least one block, got {num_blocks}")
+        #: the widest sliding window of any layer (0: none), the ring each sequence holds for it, and
+        #: the allocator of the sliding layers' own pools (``window_blocks`` blocks; module docstring)
+        self.window = max((lay.window for lay in layouts.values()), default=0)
+        self.window_span = window_span(self.window, block_size) if self.window else 0
+        if self.window and window_blocks < self.window_span:
+            raise ValueError(f"KV cache: sliding-window layers need >= {self.window_span} blocks, got {window_blocks}")
+        self.window_allocator = BlockAllocator(window_blocks) if self.window else None
         self.layouts, self.num_blocks, self.block_size, self.dtype = layouts, num_blocks, block_size, dtype
         #: backend name -> its paged decode variant, for those whose kernel runs on this device; decided
         #: here, outside any compiled region, since building a kernel is not traceable
@@ -174,7 +226,7 @@ class PagedKVCache:
         self.meta: StepMetadata | None = None
         self._layers: dict[str, LayerCache] = {}
         for name, lay in layouts.items():
-            shape = (num_blocks + 1, block_size)
+            shape = ((window_blocks if lay.window else num_blocks) + 1, block_size)
             # zeros: slots read only under a mask must still be finite (0 x NaN would poison softmax @ V)
             if lay.kind == "kv":
                 pools = (torch.zeros(*shape, lay.heads, lay.key_dim, dtype=dtype, device=device),
@@ -187,6 +239,20 @@ class PagedKVCache:
     def bytes_per_block(layouts: dict[str, LayerLayout], block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
         return block_size * element * sum(lay.elements_per_token() for lay in layouts.values())
+
+    @staticmethod
+    def sizes(layouts: dict[str, LayerLayout], block_size: int, dtype: torch.dtype, max_batch_size: int
+              ) -> tuple[int, int, int]:
+        """``(bytes per block of the full-context layers, blocks of the sliding-window pools, their
+        bytes)``: a ring per batch slot for the sliding layers, the rest of a budget for the others."""
+        window = max((lay.window for lay in layouts.values()), default=0)
+        full = {n: lay for n, lay in layouts.items() if not lay.window} or layouts
+        if not window:
+            return PagedKVCache.bytes_per_block(full, block_size, dtype), 0, 0
+        windowed = {n: lay for n, lay in layouts.items() if lay.window}
+        blocks = max_batch_size * window_span(window, block_size)
+        return (PagedKVCache.bytes_per_block(full, block_size, dtype), blocks,
+                blocks * PagedKVCache.bytes_per_block(windowed, block_size, dtype))
 
     @property
     def capacity_tokens(self) -> int:

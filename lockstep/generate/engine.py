@@ -38,7 +38,7 @@ from torch import nn
 
 from lockstep import numerics
 from lockstep.config.base import ConfigError
-from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts
+from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts, window_tables
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.packed import linear_kernel, pack_linears, packable, sibling_grouping_pass
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
@@ -111,15 +111,16 @@ class Engine:
         self._modules = list(runner.modules())
         self._prepared = False  # numerics.prepare_model has run on the runner
         layouts = layer_layouts(runner)
-        per_block = PagedKVCache.bytes_per_block(layouts, config.block_size, self.dtype)
-        num_blocks = config.num_blocks or int(config.cache_memory_mb * 2**20 // per_block)
+        per_block, window_blocks, window_bytes = PagedKVCache.sizes(layouts, config.block_size, self.dtype,
+                                                                    config.max_batch_size)
+        num_blocks = config.num_blocks or int((config.cache_memory_mb * 2**20 - window_bytes) // per_block)
         if num_blocks < 1:
             raise ConfigError(f"engine.cache_memory_mb: {config.cache_memory_mb} MiB holds no cache block "
                               f"({per_block} bytes each at block_size={config.block_size})")
         self.cache = PagedKVCache(layouts, num_blocks, config.block_size, self.dtype, self.device,
-                                  in_place_decode=config.paged_attention)
+                                  in_place_decode=config.paged_attention, window_blocks=window_blocks)
         self.scheduler = Scheduler(self.cache.allocator, config.block_size, config.max_batch_size,
-                                   config.max_prefill_tokens)
+                                   config.max_prefill_tokens, self.cache.window_allocator, self.cache.window_span)
         #: per-sequence state of linear-attention layers (hybrid models), None without such layers
         self.recurrent = RecurrentStateCache.for_model(runner, config.max_batch_size, self.dtype, self.device)
         #: what the model's trunk is handed: the paged KV cache, beside the recurrent state if any
@@ -318,7 +319,7 @@ class Engine:
         valid = torch.arange(t)[None] < lengths[:, None]
         positions = torch.arange(t).expand(b, t) * valid
         tables = self._block_tables(seqs, -(-t // self.config.block_size))
-        positions = self._set_step(tables, positions, valid)
+        positions = self._set_step(tables, positions, valid, seqs, fresh=True)
         if self.recurrent is not None:  # fresh states; padding after each prompt leaves them untouched
             self.recurrent.set_step([s.seq_id for s in seqs], lengths, fresh=True)
         h = self.runner.trunk(tokens.to(self.device), positions, cache=self._model_cache)[2]
@@ -340,7 +341,7 @@ class Engine:
             n_blocks = 1 << max(0, math.ceil(math.log2(n_blocks)))
         tables = self._block_tables(seqs, n_blocks, rows)
         valid = torch.arange(rows)[:, None] < b
-        positions = self._set_step(tables, positions, valid)
+        positions = self._set_step(tables, positions, valid, seqs)
         if self.recurrent is not None:
             self.recurrent.set_step([s.seq_id for s in seqs], rows=rows)
         tokens = tokens.to(self.device)
@@ -384,14 +385,25 @@ class Engine:
             tables[i, : blocks.numel()] = blocks
         return tables
 
-    def _set_step(self, tables: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _set_step(self, tables: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, seqs: list[Sequence],
+                  fresh: bool = False) -> torch.Tensor:
         """Hand the cache this step's metadata (built on the CPU, moved to the engine's device);
-        returns the positions on the device."""
+        returns the positions on the device. ``fresh``: a prefill (every sequence from position 0)."""
         bs = self.config.block_size
         slots = tables.gather(1, positions // bs) * bs + positions % bs
         slots = slots * valid  # padding -> slot 0 of the null block
+        window = {}
+        if self.cache.window:  # sliding-window layers: each sequence's ring (lockstep.generate.cache)
+            rings = torch.zeros(tables.shape[0], self.cache.window_span, dtype=torch.long)
+            for i, seq in enumerate(seqs):
+                rings[i] = seq.window_blocks
+            w_tables = window_tables(rings, (positions * valid).amax(1), tables.shape[1], bs, self.cache.window)
+            w_slots = (w_tables.gather(1, positions // bs) * bs + positions % bs) * valid
+            window = {"window_slot_mapping": w_slots.reshape(-1).to(self.device),
+                      "window_block_tables": w_tables.to(self.device)}
         positions = positions.to(self.device)
-        self.cache.set_step(StepMetadata(slots.reshape(-1).to(self.device), tables.to(self.device), positions))
+        self.cache.set_step(StepMetadata(slots.reshape(-1).to(self.device), tables.to(self.device), positions,
+                                         fresh=fresh, **window))
         return positions
 
     # ----------------------------------------------------------------- sampling

@@ -4,7 +4,9 @@ A request is admitted (between decode steps) when a batch slot is free and the a
 blocks for its *worst case* (prompt + max new tokens - 1 cached tokens): blocks are reserved up
 front, so a running sequence never runs out and nothing is ever preempted. Admission is strictly
 FIFO (a request that does not fit yet blocks the ones behind it). Finished sequences leave the
-running set and return their blocks at the end of the step that finished them.
+running set and return their blocks at the end of the step that finished them. A model with
+sliding-window layers also needs a free ring of ``window_span`` blocks of those layers' own pools
+(:mod:`lockstep.generate.cache`), reserved the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class Sequence:
     text: TextTracker
     #: cache blocks (reserved for the worst case at admission); a LongTensor for fast table building
     blocks: torch.Tensor | None = None
+    #: ring of sliding-window-layer blocks (models with such layers), reserved at admission
+    window_blocks: torch.Tensor | None = None
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
@@ -60,8 +64,10 @@ class Scheduler:
     """Waiting queue -> running set; see the module docstring."""
 
     def __init__(self, allocator: BlockAllocator, block_size: int, max_batch_size: int,
-                 max_prefill_tokens: int) -> None:
+                 max_prefill_tokens: int, window_allocator: BlockAllocator | None = None,
+                 window_span: int = 0) -> None:
         self.allocator, self.block_size = allocator, block_size
+        self.window_allocator, self.window_span = window_allocator, window_span
         self.max_batch_size, self.max_prefill_tokens = max_batch_size, max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -81,11 +87,15 @@ class Scheduler:
             need = self.blocks_needed(seq)
             if need > self.allocator.num_free:
                 break
+            if self.window_allocator is not None and self.window_span > self.window_allocator.num_free:
+                break
             longest_if = max(longest, len(seq.prompt_ids))
             if admitted and (len(admitted) + 1) * longest_if > self.max_prefill_tokens:
                 break
             self.waiting.popleft()
             seq.blocks = torch.tensor(self.allocator.allocate(need), dtype=torch.long)
+            if self.window_allocator is not None:
+                seq.window_blocks = torch.tensor(self.window_allocator.allocate(self.window_span), dtype=torch.long)
             admitted.append(seq)
             longest = longest_if
         self.running.extend(admitted)
@@ -119,6 +129,9 @@ class Scheduler:
         if seq.blocks is not None:
             self.allocator.free(seq.blocks.tolist())
             seq.blocks = None
+        if seq.window_blocks is not None:
+            self.window_allocator.free(seq.window_blocks.tolist())
+            seq.window_blocks = None
 
     @property
     def has_unfinished(self) -> bool:

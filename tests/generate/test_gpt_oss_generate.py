@@ -43,11 +43,18 @@ def test_greedy_tokens_match_transformers(model_and_reference, block_size):
     for result, (want, logprobs, _) in zip(results, reference):
         assert result.token_ids == want
         torch.testing.assert_close(torch.tensor(result.logprobs), torch.tensor(logprobs), atol=1e-4, rtol=0)
+    # the sliding layers (0 and 2) held a ring of (6 - 1) // bs + 2 blocks per sequence, fewer slots
+    # than the longest sequence (23 + 14 tokens): blocks past the window were reused
+    span = (WINDOW - 1) // block_size + 2
+    assert engine.cache.window_span == span and span * block_size < max(LENGTHS) + NEW_TOKENS
+    sliding, full = engine.cache.layer("0").pools[0], engine.cache.layer("1").pools[0]
+    assert sliding.shape[0] == engine.config.max_batch_size * span + 1 < full.shape[0]
+    assert engine.cache.window_allocator.num_free == engine.config.max_batch_size * span  # all returned
 
 
 def test_continuous_batching_matches_transformers(model_and_reference):
     """Two batch slots for four requests of different lengths: requests join while others decode
-    (and reuse the blocks the finished ones released)."""
+    (and reuse the blocks, full and sliding, that the finished ones released)."""
     model, prompts, reference = model_and_reference
     budgets = [NEW_TOKENS, 5, 9, NEW_TOKENS]
     engine = Engine(model, None, EngineConfig(cache_memory_mb=4, block_size=4, max_batch_size=2))
