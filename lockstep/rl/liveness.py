@@ -10,7 +10,8 @@ each end runs a daemon thread that
 - reads the other end's: a closed connection means the process died (its kernel closed the socket: seen
   at once); silence for ``liveness.timeout_s`` means it stalled (SIGSTOP, a hang holding the GIL, a
   machine gone). A process busy generating or training for minutes keeps beating from its thread; a hang
-  in C code that releases the GIL is not seen here (what the other end waits for is).
+  in C code that releases the GIL is not seen here (what the other end waits for is). The channel's
+  mechanics are :mod:`lockstep.rl.heartbeat`'s; this module is what each side does with it.
 
 The trainer (:class:`TrainerLiveness`) reports a lost generator on stderr (one line: rank, died or
 stalled, its last phase, what happens next), and every wait of its main thread on a generator
@@ -28,223 +29,19 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-_any_lost = False
+from lockstep.rl.heartbeat import Liveness, Loss, Peer, PeerLost, mark_lost, peer_lost, read_line, say
 
-
-def peer_lost() -> bool:
-    """Whether a peer of this process was lost (or announced lost): leaving must not wait on it (no
-    ``destroy_process_group``, which may wait for transfers that will never finish)."""
-    return _any_lost
-
-
-def _mark_lost() -> None:
-    global _any_lost
-    _any_lost = True
-
-
-@dataclass
-class Loss:
-    rank: int
-    #: "died" (connection closed) or "stalled" (silent for timeout_s)
-    kind: str
-    #: what the process last said it was doing
-    phase: str
-    silent_s: float = 0.0
-
-    def describe(self, who: str, timeout_s: float) -> str:
-        how = ("died (its connection closed)" if self.kind == "died" else
-               f"stalled (no heartbeat for {self.silent_s:.1f} s, liveness.timeout_s={timeout_s:g})")
-        return f"{who} {how} while {self.phase}"
-
-
-class PeerLost(RuntimeError):
-    """A process this one depends on died or stalled (the message is one line)."""
-
-    def __init__(self, loss: Loss, message: str) -> None:
-        super().__init__(message)
-        self.loss = loss
-        #: set by whoever stops the run: the line the command prints last (where to resume)
-        self.outcome = ""
-
-    @property
-    def rank(self) -> int:
-        return self.loss.rank
-
-
-class _Peer:
-    def __init__(self, rank: int, sock: socket.socket | None, now: float) -> None:
-        self.rank, self.sock = rank, sock
-        self.inbuf, self.outbuf = bytearray(), bytearray()
-        self.heard = now
-        self.phase = "starting"
-        self.loss: Loss | None = None
-        self.done = False  # said goodbye: silence and EOF are expected
-        if sock is not None:
-            sock.setblocking(False)
-
-
-class Liveness:
-    """One end of the channel: the thread, this process's phase, heartbeats and loss detection."""
-
-    def __init__(self, rank: int, timeout_s: float) -> None:
-        self.rank, self.timeout_s = rank, timeout_s
-        self.interval = min(1.0, timeout_s / 5)
-        self.peers: dict[int, _Peer] = {}
-        self._phase = "starting"
-        self._lock = threading.RLock()
-        self._lost_event = threading.Event()
-        self._closed = False
-        self._last_beat = self._last_loop = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="lockstep-liveness", daemon=True)
-
-    # ---------------------------------------------------------------- main thread
-
-    def phase(self, text: str) -> None:
-        """Say what this process is doing now (sent to the peers at once)."""
-        with self._lock:
-            self._phase = text
-            for peer in self._watched():
-                self._send(peer, {"beat": text})
-
-    def close(self) -> None:
-        """Stop the thread and close the connections."""
-        with self._lock:
-            self._closed = True
-            for peer in self.peers.values():
-                if peer.sock is not None:
-                    self._flush(peer)
-                    peer.sock.close()
-                    peer.sock = None
-
-    # ---------------------------------------------------------------- the thread
-
-    def _watched(self) -> list[_Peer]:
-        return [p for p in self.peers.values() if p.sock is not None and p.loss is None and not p.done]
-
-    def _run(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                socks = [p.sock for p in self._watched()]
-            try:
-                ready = select.select(socks, [], [], self.interval / 2)[0] if socks else []
-            except (OSError, ValueError):  # a socket closed meanwhile
-                ready = []
-            if not socks:
-                time.sleep(self.interval / 2)
-            with self._lock:
-                if self._closed:
-                    return
-                try:
-                    self._tick(set(ready))
-                except Exception as err:  # noqa: BLE001 -- the watcher must not die silently
-                    _say(f"lockstep rl: liveness (rank {self.rank}): {type(err).__name__}: {err}")
-
-    def _tick(self, ready: set) -> None:
-        now = time.monotonic()
-        for peer in self._watched():
-            if peer.sock in ready:
-                self._read(peer, now)
-        if now - self._last_loop > self.timeout_s / 2:
-            # this process itself was paused (stopped, starved): it cannot tell whether the peers were
-            for peer in self._watched():
-                peer.heard = now
-        self._last_loop = now
-        if now - self._last_beat >= self.interval:
-            self._last_beat = now
-            for peer in self._watched():
-                self._send(peer, {"beat": self._phase})
-        for peer in self._watched():
-            self._flush(peer)
-            if now - peer.heard > self.timeout_s:
-                self._lose(peer, "stalled", now - peer.heard)
-
-    def _read(self, peer: _Peer, now: float) -> None:
-        try:
-            data = peer.sock.recv(1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            data = b""
-        if not data:
-            if not peer.done:
-                self._lose(peer, "died")
-            return
-        peer.heard = now
-        peer.inbuf += data
-        while b"\n" in peer.inbuf:
-            line, _, rest = bytes(peer.inbuf).partition(b"\n")
-            peer.inbuf = bytearray(rest)
-            try:
-                message = json.loads(line)
-            except ValueError:
-                continue
-            if "beat" in message:
-                peer.phase = message["beat"]
-            elif message.get("done"):
-                peer.done = True
-            else:
-                self._message(peer, message)
-
-    def _send(self, peer: _Peer, message: dict) -> None:
-        if peer.sock is None:
-            return
-        peer.outbuf += (json.dumps(message) + "\n").encode()
-        self._flush(peer)
-
-    def _flush(self, peer: _Peer) -> None:
-        if not peer.outbuf or peer.sock is None:
-            return
-        try:
-            sent = peer.sock.send(peer.outbuf)
-            del peer.outbuf[:sent]
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
-            if peer.loss is None and not peer.done:
-                self._lose(peer, "died")
-
-    def _lose(self, peer: _Peer, kind: str, silent_s: float = 0.0) -> None:
-        if peer.loss is not None:
-            return
-        _mark_lost()
-        peer.loss = Loss(peer.rank, kind, peer.phase, silent_s)
-        self._lost_event.set()
-        self._on_lost(peer)
-
-    def _message(self, peer: _Peer, message: dict) -> None:
-        raise NotImplementedError
-
-    def _on_lost(self, peer: _Peer) -> None:
-        raise NotImplementedError
-
-
-def _read_line(conn: socket.socket) -> bytes:
-    """One line, byte by byte: what follows it stays in the socket for the thread."""
-    line = bytearray()
-    while not line.endswith(b"\n"):
-        byte = conn.recv(1)
-        if not byte:
-            raise OSError("connection closed before the hello")
-        line += byte
-    return bytes(line)
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+__all__ = ["GeneratorLiveness", "Liveness", "Loss", "PeerLost", "TrainerLiveness", "connect_liveness", "peer_lost"]
 
 
 class TrainerLiveness(Liveness):
@@ -274,12 +71,12 @@ class TrainerLiveness(Liveness):
                 try:
                     conn, _ = listener.accept()
                     conn.settimeout(max(0.01, deadline - time.monotonic()))
-                    hello = json.loads(_read_line(conn))
+                    hello = json.loads(read_line(conn))
                 except (OSError, ValueError, KeyError):
                     continue
-                self.peers[hello["hello"]] = _Peer(hello["hello"], conn, time.monotonic())
+                self.peers[hello["hello"]] = Peer(hello["hello"], conn, time.monotonic())
         for rank in sorted(expected - set(self.peers)):
-            peer = self.peers[rank] = _Peer(rank, None, time.monotonic())
+            peer = self.peers[rank] = Peer(rank, None, time.monotonic())
             peer.phase = "starting (it never connected)"
             self._lose(peer, "stalled", self.timeout_s)
 
@@ -366,20 +163,20 @@ class TrainerLiveness(Liveness):
 
     # ---------------------------------------------------------------- the thread
 
-    def _message(self, peer: _Peer, message: dict) -> None:
+    def _message(self, peer: Peer, message: dict) -> None:
         pass  # generators send beats and done only
 
     def _line(self, loss: Loss) -> str:
         return f"lockstep rl: {loss.describe(f'generator rank {loss.rank}', self.timeout_s)}"
 
-    def _on_lost(self, peer: _Peer) -> None:
+    def _on_lost(self, peer: Peer) -> None:
         left = [r for r, p in sorted(self.peers.items()) if p.loss is None and r not in self.dropped and not p.done]
         if self.continue_on_loss and left:
             action = (f"continuing with generator rank(s) {', '.join(map(str, left))} "
                       "(liveness.on_generator_loss=continue)")
         else:
             action = "stopping the run" + (" (no generator left)" if self.continue_on_loss else "")
-        _say(f"{self._line(peer.loss)}; {action}")
+        say(f"{self._line(peer.loss)}; {action}")
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         """torchrun ends every worker when one dies: if a generator was lost, stop cleanly (the main
@@ -414,7 +211,7 @@ class GeneratorLiveness(Liveness):
                                        f"{address[0]}:{address[1]}: {err}") from None
                 time.sleep(0.05)
         sock.sendall((json.dumps({"hello": rank, "pid": os.getpid(), "host": socket.gethostname()}) + "\n").encode())
-        self.peers[0] = _Peer(0, sock, time.monotonic())
+        self.peers[0] = Peer(0, sock, time.monotonic())
         self._start: dict | None = None
         self._started = threading.Event()
         #: (generator rank, first step) of every generator the trainer announced lost, in order
@@ -438,12 +235,12 @@ class GeneratorLiveness(Liveness):
             self._send(self.peers[0], {"done": True})
         self.close()
 
-    def _message(self, peer: _Peer, message: dict) -> None:
+    def _message(self, peer: Peer, message: dict) -> None:
         if "start" in message:
             self._start = message["start"]
             self._started.set()
         elif "lost" in message:
-            _mark_lost()
+            mark_lost()
             self.lost_generators.append((message["lost"], message["from_step"]))
         elif "drop" in message:
             self._exit(0, f"dropped by the trainer ({message['drop']})")
@@ -452,11 +249,11 @@ class GeneratorLiveness(Liveness):
         elif message.get("done"):
             peer.done = True
 
-    def _on_lost(self, peer: _Peer) -> None:
+    def _on_lost(self, peer: Peer) -> None:
         self._exit(1, peer.loss.describe("the trainer (rank 0)", self.timeout_s))
 
     def _exit(self, code: int, why: str) -> None:
-        _say(f"lockstep rl: generator rank {self.rank}: {why}; exiting")
+        say(f"lockstep rl: generator rank {self.rank}: {why}; exiting")
         sys.stdout.flush()
         os._exit(code)
 
