@@ -7,6 +7,8 @@
   SFT, then DAPO (GRPO advantages, clip-higher, token-level loss, flat groups filtered) raises its
   greedy pass rate on held-out task seeds.
 - ``rl-smollm2``: SmolLM2-135M-Instruct (real weights) on reasoning-gym arithmetic with GRPO.
+- ``rl-qwen35-tiny``: a random Qwen3.5 MoE ``tiny-moe`` (Gated DeltaNet hybrid) on the echo task in
+  batch-invariant mode: trainer and generator log-probabilities agree exactly (docs/hybrid.md).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from lockstep.data.config import DataConfig
 from lockstep.generate.config import EngineConfig, SamplingParams
 from lockstep.models.registry import model_config
+from lockstep.numerics import NumericsConfig
 from lockstep.recipes.registry import recipe
 from lockstep.recipes.smollm2 import INIT_FROM, smollm2_config
 from lockstep.rl.config import RLConfig, RLOutputConfig, RLTrainingConfig, SFTConfig, TaskConfig, WorkersConfig
@@ -43,6 +46,15 @@ def rl_debug() -> RLConfig:
         workers=WorkersConfig(generators=1, max_offpolicy_steps=0),
         output=RLOutputConfig(progress=False),
     )
+
+
+@recipe("rl-qwen35-tiny", "RL on a random Qwen3.5 MoE tiny (Gated DeltaNet hybrid) on the echo task, "
+        "batch-invariant: trainer == generator log-probabilities")
+def rl_qwen35_tiny() -> RLConfig:
+    cfg = rl_debug()
+    cfg.model = model_config("qwen3_5", "tiny-moe")
+    cfg.numerics = NumericsConfig(batch_invariant=True)
+    return cfg
 
 
 def _arith_tiny_model():

@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from lockstep import numerics
 from tests.numerics.test_batch_invariant_models import LENGTHS, _generate_and_score, _model, _score, _sequences
 
-RECIPES = ["debug-qwen35", "debug-qwen35-moe", "debug-qwen3next"]
+#: both projection layouts (split / grouped) and the MoE with its gated shared expert; the dense
+#: qwen3_5 runs the same layers minus the MoE (kept out for the suite's time budget)
+RECIPES = ["debug-qwen35-moe", "debug-qwen3next"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -30,7 +32,7 @@ def _mode_off_after():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("recipe", RECIPES)
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=2, deadline=None)
 @given(batch=st.lists(st.integers(0, len(LENGTHS) - 1), min_size=1, max_size=5, unique=True))
 def test_trainer_scores_do_not_depend_on_the_batch(recipe, dtype, batch):
     numerics.set_batch_invariant(True)
@@ -53,5 +55,5 @@ def test_generator_logprobs_equal_trainer_logprobs(recipe, dtype):
 
 def test_with_the_mode_off_the_generator_differs():
     numerics.set_batch_invariant(False)
-    generated, scored = _generate_and_score("debug-qwen35", torch.float32, 0.7, n_requests=len(LENGTHS))
+    generated, scored = _generate_and_score("debug-qwen35", torch.float32, 0.7, n_requests=4)
     assert any(not torch.equal(g, s) for g, s in zip(generated, scored))
