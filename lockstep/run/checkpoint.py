@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -273,8 +274,11 @@ class CheckpointPolicy:
         last = self._last_save
         if not abandon and last is not None and last in self._failed:
             newest = self.checkpointer.latest_step()
-            raise CheckpointError(f"the final checkpoint (step {last}) was not saved: {self._failed[last]}; "
-                                  f"the newest saved checkpoint is "
-                                  f"{'step ' + str(newest) if newest is not None else 'none'} "
-                                  f"in {self.checkpointer.storage.describe()}")
+            error = CheckpointError(f"the final checkpoint (step {last}) was not saved: {self._failed[last]}; "
+                                    f"the newest saved checkpoint is "
+                                    f"{'step ' + str(newest) if newest is not None else 'none'} "
+                                    f"in {self.checkpointer.storage.describe()}")
+            if sys.exc_info()[0] is None:
+                raise error
+            warnings.warn(str(error), stacklevel=2)  # closing on another error (NonFiniteError...): keep that one
         return [s.record() for s in done]

@@ -71,8 +71,10 @@ def _assert_same_checkpoint(a: Path, b: Path) -> None:
         read_full_state(LocalStorage(b.parent), int(b.name[5:]))
     assert sa == sb and ta.keys() == tb.keys()
     assert all(torch.equal(ta[k], tb[k]) for k in ta), [k for k in ta if not torch.equal(ta[k], tb[k])]
-    ra, rb = (json.loads((d / "rank-00000.json").read_text())["state"] for d in (a, b))
-    assert ra == rb
+    ranks = sorted(f.name for f in a.glob("rank-*.json"))
+    assert ranks == sorted(f.name for f in b.glob("rank-*.json"))
+    for name in ranks:
+        assert json.loads((a / name).read_text())["state"] == json.loads((b / name).read_text())["state"], name
 
 
 def test_an_index_less_step_dir_survives_resume(base, tmp_path):
@@ -198,3 +200,30 @@ def test_rl_takes_resume_from_too(tmp_path):
     assert config.resume and config.checkpoint.resume_from == 2
     config, _ = resolve_config(["--recipe", "debug", "--run-dir", str(tmp_path), "--resume"])
     assert config.resume and config.checkpoint.resume_from == 0  # --resume is not taken for --resume-from
+
+
+@pytest.mark.slow
+def test_a_shard_only_one_rank_reads_fails_the_checkpoint_for_every_rank(tmp_path):
+    """FSDP over 2 ranks: rank 1's shard of the newest checkpoint is bit-flipped, which only rank 1
+    reads; both ranks must fall back to the previous checkpoint together and re-make the newest one
+    bitwise (a rank that went on alone would hang the other or mix two steps)."""
+    import os
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "lockstep.cli", "train", *COMMON, "--run-dir", str(run), "--nproc", "2",
+           "--parallel.dp-shard", "2", "--stop-after", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    step3 = run / "checkpoints" / "step-00000003"
+    pristine = tmp_path / "pristine" / "step-00000003"
+    shutil.copytree(step3, pristine)
+    _flip_last_shard(step3)  # the last file name sorts under rank 1
+    assert sorted(step3.glob("*.safetensors"))[-1].name.startswith("rank-00001-")
+    second = subprocess.run([*cmd, "--resume"], capture_output=True, text=True, timeout=300, env=env)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "from the step 2 checkpoint" in second.stdout
+    assert "step 3 failed verification (rank 1: " in second.stderr
+    _assert_same_checkpoint(step3, pristine)
