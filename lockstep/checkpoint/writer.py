@@ -23,6 +23,7 @@ import traceback
 import uuid
 from multiprocessing import shared_memory
 
+from lockstep.checkpoint.background import lower_priority
 from lockstep.checkpoint.format import (
     FORMAT, INDEX, LATEST, VERSION, CheckpointError, ShardFile, digest, file_chunks, parse_step_dir,
     rank_state_file, step_dir,
@@ -208,7 +209,8 @@ def run_job(storage, plan: WritePlan, job: SaveJob, buffer: memoryview, parent_a
         if plan.rank == 0:
             commit(storage, plan, job, parent_alive)
     except CheckpointError:
-        _drop_failed_staging(storage, job.step)
+        if plan.rank == 0:  # the staging directory is shared; rank 0 gives up on it last (commit timeout)
+            _drop_failed_staging(storage, job.step)
         raise
     seconds = time.perf_counter() - started
     return {"step": job.step, "write_s": seconds, "bytes": nbytes}
@@ -234,6 +236,7 @@ def attach_shared(name: str) -> shared_memory.SharedMemory:
 
 def writer_main(storage, jobs, results, parent_pid: int) -> None:
     """The background writer's loop (spawned process)."""
+    lower_priority()  # training keeps the cores; the writer takes what it leaves (checkpoint/background.py)
     plan: WritePlan | None = None
     shm: shared_memory.SharedMemory | None = None
     buffer = memoryview(b"")
