@@ -287,7 +287,8 @@ class Checkpointer:
 
     def set_aside(self, step: int, reason: str) -> str:
         """Rank 0: move checkpoint ``step`` out of the way (kept; no longer loaded, counted or pruned)."""
-        return set_aside(self.storage, step_dir(step), reason)
+        return reading(self.storage, f"moving checkpoint step {step} aside",
+                       lambda: set_aside(self.storage, step_dir(step), reason))
 
     def load(self, slots: dict[str, Slot], step: int | None = None) -> tuple[int, dict, dict]:
         """Fill ``slots`` from checkpoint ``step`` (default: the latest complete one); returns
