@@ -168,7 +168,8 @@ def _write(out: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, 
 def write_weights(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str],
                   metadata: dict[str, str] | None = None) -> str:
     """Write ``tensors`` as a checksummed safetensors file, atomically (temporary file, fsync,
-    rename; an OSError propagates); returns the data sha256."""
+    rename: a full disk leaves no truncated file behind); returns its data checksum. An OS error is
+    a WeightsError naming the file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
@@ -177,8 +178,13 @@ def write_weights(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str]
             out.flush()
             os.fsync(out.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as err:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        if isinstance(err, OSError):
+            raise WeightsError(f"{path}: writing the weights failed: {err.strerror or err}") from None
         raise
     return digest
 

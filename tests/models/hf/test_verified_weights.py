@@ -309,3 +309,11 @@ def test_block_checksums_name_the_damaged_tensor(tmp_path, monkeypatch):
     with pytest.raises(WeightsError, match=r"sha256 of data bytes \[20480, 24576\) \(tensor\(s\) t5\) .* "
                                            r"1 of 8 block\(s\) differ"):
         read_tensors(read_header(file))
+
+
+def test_a_failed_write_is_one_error_naming_the_file_and_leaves_nothing(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    target = tmp_path / "file" / "model.safetensors"
+    with pytest.raises(WeightsError, match=f"^{target}: writing the weights failed: Not a directory$"):
+        write_weights({"a": torch.ones(3)}, target)
+    assert [p.name for p in tmp_path.iterdir()] == ["file"]
