@@ -39,7 +39,12 @@ class Slot:
 
     @classmethod
     def row_slice(cls, t: torch.Tensor, global_rows: int, row_offset: int) -> "Slot":
-        """A plain tensor that is rows ``row_offset..`` of a ``[global_rows, ...]`` tensor."""
+        """A plain tensor that is rows ``row_offset..`` of a ``[global_rows, ...]`` tensor (or a DTensor
+        of those rows, e.g. expert-parallel experts also split over tp on another dim)."""
+        if isinstance(t, DTensor):
+            inner = cls.of(t)
+            return cls(inner.tensor, (global_rows, *inner.global_shape[1:]),
+                       (row_offset + inner.offsets[0], *inner.offsets[1:]))
         return cls(t, (global_rows, *t.shape[1:]), (row_offset,) + (0,) * (t.ndim - 1))
 
     @property

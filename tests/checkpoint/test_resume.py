@@ -112,6 +112,9 @@ RESHARD = [
     ("tp2-to-fsdp2xtp2", "debug", 2, ["--parallel.dp-shard", "1", "--parallel.tp", "2"], 4,
      ["--parallel.dp-shard", "2", "--parallel.tp", "2"]),
     ("1-to-ep2", "debug-moe", 1, [], 2, ["--parallel.dp-shard", "2", "--parallel.ep", "2"]),
+    # MLA (replicated latents), experts split over ep rows and each one's hidden dim over tp, MTP
+    ("tp2xep2-to-1 deepseek", "debug-deepseek", 4,
+     ["--parallel.dp-shard", "2", "--parallel.ep", "2", "--parallel.tp", "2"], 1, []),
     ("fsdp2-to-pp2", "debug", 2, ["--parallel.dp-shard", "2"], 2,
      ["--parallel.dp-shard", "1", "--parallel.pp", "2", "--model.n-layers", "4"]),
 ]
