@@ -400,14 +400,14 @@ def sharded_phase(args) -> None:
 def training_loop(savers: dict, cfg, model, optimizer, rank: int, args) -> dict:
     """Train with a save after every step, per async method, and without saves: each iteration's
     time (the step, then the save call, which waits for the previous save if it is still going)
-    and the step's compute alone, which is what a background writer slows down. Two passes, the
-    order of methods reversed in the second; every rank runs the same steps (FSDP keeps them in
+    and the step's compute alone, which is what a background writer slows down. Several passes,
+    the order of methods reversed every other pass (a shared host's load drifts); every rank runs the same steps (FSDP keeps them in
     lockstep), the slower rank's times count."""
     methods = ["none", *(v for v in LOOP_VARIANTS if v in savers)]
     times: dict[str, dict[str, list[float]]] = {m: {"iter_s": [], "step_s": []} for m in methods}
     step = 10_000
-    for pass_ in range(2):
-        for m in (methods if pass_ == 0 else methods[::-1]):
+    for pass_ in range(args.loop_passes):
+        for m in (methods if pass_ % 2 == 0 else methods[::-1]):
             saver = savers.get(m)
             settle(rank, args.settle)
             for i in range(args.loop_steps):
@@ -488,6 +488,7 @@ def main() -> None:
     p.add_argument("--variants", default=",".join(SAVE_VARIANTS))
     p.add_argument("--profile", action="store_true")
     p.add_argument("--loop-steps", type=int, default=8, help="steps per method in the training loop (0: skip)")
+    p.add_argument("--loop-passes", type=int, default=3)
     p.add_argument("--drop-caches", action="store_true")
     p.add_argument("--sharded-json", default="")
     args = p.parse_args()

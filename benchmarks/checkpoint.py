@@ -25,8 +25,10 @@ Then loads: the same 2-rank layout (lockstep ``Checkpointer.load`` vs ``get_stat
 ``dcp.load`` + ``set_state_dict`` vs ``CheckpointManager.load`` + ``set_state_dict``) and resharded
 2 -> 1 process (the same calls on an unsharded model + AdamW), every loaded tensor compared bitwise
 with the saved state. Then a training loop in the same processes: 8 steps per method with an async
-save after every step, and without saves, twice (order reversed): the iteration time and the step's
-compute alone, whose growth is what the background writing costs training. Last, ``lockstep train``
+save after every step, and without saves, in 3 passes (order reversed every other pass): the
+iteration time and the step's compute alone, whose growth is what the background writing costs
+training. ``LOCKSTEP_CKPT_WRITER_PRIORITY=normal`` runs lockstep's writer at normal priority
+instead of idle (lockstep/checkpoint/background.py), for an A/B. Last, ``lockstep train``
 on the same model (FSDP2 x 2) with a checkpoint after every step and without: the blocking the
 Trainer itself records (``checkpoint/blocking_ms``) and the step time around background writes.
 
@@ -171,7 +173,7 @@ def report_trainer(t: dict, quick: bool) -> None:
 def report_loop(loop: dict) -> None:
     base_iter, base_step = med(loop["none"]["iter_s"]), med(loop["none"]["step_s"])
     print(f"\ntraining loop (same processes, FSDP2 x 2, an async save after every step; median of "
-          f"{len(loop['none']['iter_s'])} steps over 2 passes, slower rank)")
+          f"{len(loop['none']['iter_s'])} steps over 3 passes, slower rank)")
     print(f"{'method':<24} {'iteration s':>12} {'slowdown':>9} {'step compute s':>15} {'slowdown':>9}")
     for m, t in loop.items():
         it, st = med(t["iter_s"]), med(t["step_s"])
