@@ -418,8 +418,13 @@ class ContextParallel:
         count = (targets != ignore_index).sum().to(torch.float64)
         if self.size > 1:
             dist.all_reduce(count, group=self.group)
-        local = total / count.clamp(min=1).to(total.dtype)
-        value = local.detach().clone()
+        from torch.distributed.tensor import DTensor
+
+        count = count.clamp(min=1).to(total.dtype)
+        if isinstance(total, DTensor):  # tp's loss-parallel CE: a replicated DTensor; keep ``local`` one
+            count = DTensor.from_local(count, total.device_mesh, total.placements, run_check=False)
+        local = total / count
+        value = (local.to_local() if isinstance(local, DTensor) else local).detach().clone()
         if self.size > 1:
             dist.all_reduce(value, group=self.group)
         return local, value

@@ -61,8 +61,11 @@ class ParallelConfig(Config):
                 f"does not divide the world size {world_size}"
             )
         if self.cp > 1:
-            require(self.tp == 1 and self.pp == 1 and self.ep == 1, "parallel.cp",
-                    "context parallel with tp, pp or ep is not supported yet")
+            # cp x tp composes (heads split by tp, the sequence by cp); pp and ep do not yet
+            require(self.pp == 1, "parallel.cp", f"context parallel with pipeline parallel (parallel.pp={self.pp}) "
+                    f"is not supported yet")
+            require(self.ep == 1, "parallel.cp", f"context parallel with expert parallel (parallel.ep={self.ep}) "
+                    f"is not supported yet")
         if self.pp > 1:
             require(self.tp == 1 and self.ep == 1, "parallel.pp", "pipeline parallel with tp or ep is not supported yet")
         dp_shard = world_size // others if self.dp_shard == -1 else self.dp_shard

@@ -12,7 +12,7 @@ FOUR_LAYERS = ["--model.n-layers", "4"]  # interleaved / V schedules place 2 sta
 BALANCING = ["--model.feed-forward.bias-update-speed", "0.01", "--model.feed-forward.seq-aux-loss-coef", "0.01"]
 #: layouts whose parameters after the steps are compared with one process as well as their losses
 PARAMS_CHECKED = {"tp=2 deepseek (MLA, expert TP, MTP)", "tp=2 moe (expert TP)", "tp=2 x ep=2 moe",
-                  "tp=2 x ep=2 deepseek"}
+                  "tp=2 x ep=2 deepseek", "cp=2 x tp=2 qwen3"}
 
 TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("dp_shard=2", "debug", 2, {"dp_shard": 2}, []),
@@ -36,6 +36,8 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("cp=2 ring x dp_shard=2", "debug", 4, {"cp": 2, "cp_method": "ring", "dp_shard": 2}, []),
     # MoE under cp: every rank's expert-load metrics reach the record (pp refuses MoE blocks)
     ("cp=2 moe", "debug-moe", 2, {"cp": 2}, []),
+    # heads split by tp, the sequence by cp (q/k norms, tied embeddings, loss-parallel CE over cp)
+    ("cp=2 x tp=2 qwen3", "debug-qwen3", 4, {"cp": 2, "tp": 2}, []),
     ("pp=2 1F1B", "debug", 2, {"pp": 2}, []),
     ("pp=2 ZBVZeroBubble", "debug", 2, {"pp": 2, "pp_schedule": "ZBVZeroBubble"}, FOUR_LAYERS),
     ("pp=2 x dp_shard=2 Interleaved1F1B", "debug", 4,

@@ -38,5 +38,9 @@ def test_cp_is_a_mesh_dim_but_not_a_data_dim():
     dims = ParallelConfig(cp=2).resolve(4)
     assert dims.mesh_dims == [("dp_shard", 2), ("cp", 2)]
     assert dims.data_dims == ["dp_shard"]  # both cp ranks of a replica read the same batch
-    with pytest.raises(ConfigError, match="parallel.cp: context parallel with tp"):
-        ParallelConfig(cp=2, tp=2).resolve(4)
+    cp_tp = ParallelConfig(cp=2, tp=2).resolve(4)  # composes: tp innermost, cp next to it
+    assert cp_tp.mesh_dims == [("cp", 2), ("tp", 2)] and cp_tp.data_dims == []
+    with pytest.raises(ConfigError, match=r"parallel.cp: context parallel with pipeline parallel \(parallel.pp=2\)"):
+        ParallelConfig(cp=2, pp=2).resolve(4)
+    with pytest.raises(ConfigError, match=r"parallel.cp: context parallel with expert parallel \(parallel.ep=2\)"):
+        ParallelConfig(cp=2, ep=2, dp_shard=2).resolve(4)
