@@ -45,8 +45,8 @@ def rollout_batch_payload(rollout: Rollout, env, config: RLConfig, step: int, ve
 
 
 def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
-    """The generator loop (ranks T..T+N-1); returns when its last batch is delivered and the last weight
-    version received."""
+    """The generator loop (ranks T..T+N-1); returns when its last batch is delivered, the last weight
+    version received and the trainer has finished."""
     live = layout.liveness
     live.phase("waiting for the trainer to start")
     info = live.wait_start()
@@ -69,6 +69,14 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
         plan = StepPlan(layout.n_generators, [(rank - layout.trainer_world, s) for rank, s in live.lost_generators])
         step = next((i for i in range(start + 1, last + 1)
                      if i not in produced and plan.owner(i) == layout.generator_index), None)
+        if step is None and receiver.version >= receiver.last:
+            # its batches are out and every version is in: it stays until the trainer finishes, since a
+            # lost generator's last batches may still come its way
+            _wait_sent(sender, receiver, live, "sending the last rollouts")
+            live.phase("waiting for the trainer to finish")
+            if live.wait_end(seen):
+                break
+            continue
         # no batch of its own left: receive the remaining versions (the trainer's broadcasts need every
         # generator), unless a lost generator's batches come its way meanwhile
         needed = receiver.last if step is None else max(start, step - 1 - config.workers.max_offpolicy_steps)
@@ -76,19 +84,16 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
         # with one generator no batch can come its way: wait blocking, as without liveness
         interrupt = (lambda: live.changes != seen) if layout.n_generators > 1 else None
         waited = receiver.wait_for(needed, interrupt=interrupt)
-        if waited is None:
-            continue  # a generator was lost: this one may own an earlier batch now
-        if step is None:
-            break
+        if waited is None or step is None:
+            continue  # a generator was lost (this one may own an earlier batch now), or every version is in
         live.phase(f"generating batch {step} with weights version {receiver.version}")
         payload = rollout_batch_payload(rollout, env, config, step, receiver.version)
         payload.update({"numerics": numerics.thread_settings(), "generator/weight_wait_s": waited,
                         "generator/rank": layout.rank,
                         "generator/weight_apply_s": receiver.apply_s})
-        _wait_sent(sender, receiver, live, f"sending rollouts (the trainer has not taken batch {step - 1} yet)")
+        _wait_sent(sender, receiver, live, f"sending the rollouts of step {max(produced, default=step)}")
         sender.send(payload)
         produced.add(step)
-    _wait_sent(sender, receiver, live, "sending the last rollouts")
     sender.close()
     live.finish()
 

@@ -229,6 +229,15 @@ class GeneratorLiveness(Liveness):
         self._started.wait()
         return self._start
 
+    def wait_end(self, seen: int) -> bool:
+        """Wait for the trainer's end of the run (True), or until a generator is announced lost after
+        ``seen`` (False: a batch may be this one's now)."""
+        while not self.peers[0].done:
+            if self.changes != seen:
+                return False
+            time.sleep(0.02)
+        return True
+
     def finish(self) -> None:
         """This generator's work is done: it stops watching the trainer."""
         with self._lock:

@@ -189,7 +189,7 @@ def test_killed_generator_stops_the_run_with_its_rank_and_phase(tmp_path):
 
 @pytest.mark.slow
 def test_continue_finishes_with_the_generator_left(tmp_path):
-    steps = 40
+    steps = 24
     job = Job(tmp_path, "--steps", str(steps), "--workers.generators", "2", "--liveness.on-generator-loss", "continue")
     try:
         lost = job.rank_pid(2)
