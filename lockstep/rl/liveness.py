@@ -170,6 +170,8 @@ class TrainerLiveness(Liveness):
         return f"lockstep rl: {loss.describe(f'generator rank {loss.rank}', self.timeout_s)}"
 
     def _on_lost(self, peer: Peer) -> None:
+        if self.sigterm or self.stopping:
+            return  # the job is being torn down: the other workers going is its consequence, not news
         left = [r for r, p in sorted(self.peers.items()) if p.loss is None and r not in self.dropped and not p.done]
         if self.continue_on_loss and left:
             action = (f"continuing with generator rank(s) {', '.join(map(str, left))} "

@@ -12,8 +12,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from lockstep.cli_rl import resolve_rl_config
 from lockstep.config.base import ConfigError
 from lockstep.observe import read_metrics
 from lockstep.rl.layout import StepPlan
+from lockstep.rl.liveness import PeerLost, TrainerLiveness
 
 TIMEOUT = 6  # liveness.timeout_s of these jobs
 SLACK = 15  # seconds beyond the timeout allowed for a report (a loaded 2-vCPU machine)
@@ -261,3 +264,41 @@ def test_step_plan_reassigns_a_lost_generators_batches():
     assert plan.steps_of(2, 4, 12) == [i for i in range(5, 13) if plan.owner(i) == 2]
     plan.drop(0, 9)
     assert all(plan.owner(i) == 2 for i in range(9, 20)) and plan.alive == [2]
+
+
+def _fake_generator(port: int, rank: int, phase: str) -> socket.socket:
+    """A generator's end of the channel that says hello and its phase once, then falls silent."""
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall((json.dumps({"hello": rank}) + "\n" + json.dumps({"beat": phase}) + "\n").encode())
+    return sock
+
+
+@pytest.mark.parametrize("fault", ["stalled", "died"])
+def test_trainer_end_reports_a_silent_or_closed_generator(fault, capfd):
+    """The channel alone (no process group): a generator silent for timeout_s is stalled, one whose
+    connection closes died; the watched wait raises PeerLost naming rank and phase."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    box = {}
+    connect = threading.Thread(target=lambda: box.setdefault("sock", _fake_generator(port, 4, "generating batch 7")))
+    connect.start()
+    live = TrainerLiveness(0.5, "stop", [4], listener)
+    connect.join()
+    try:
+        time.sleep(0.2)
+        live.check()  # heard from it just now: not lost
+        if fault == "died":
+            box["sock"].close()
+        started = time.monotonic()
+        with pytest.raises(PeerLost) as err:
+            live.wait([4], lambda: False)
+        elapsed = time.monotonic() - started
+        assert err.value.rank == 4 and err.value.loss.kind == fault
+        assert err.value.loss.phase == "generating batch 7"
+        assert elapsed < (0.3 if fault == "died" else 1.5)  # a closed connection is seen at once
+        out = capfd.readouterr().err
+        assert f"lockstep rl: generator rank 4 {fault} (" in out and "while generating batch 7; stopping the run" in out
+    finally:
+        live.close()
+        if "sock" in box:
+            box["sock"].close()
