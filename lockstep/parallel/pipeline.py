@@ -1,10 +1,9 @@
 """Pipeline parallelism on ``torch.distributed.pipelining``: stage modules, schedules, one runner.
 
-The model is cut by layer count into ``pp x stages_per_rank`` stages. Each stage is a
-``PipelineStageModule`` holding deep copies of the model's own submodules under the model's own
-names (``tok_embeddings`` on the first stage, its ``layers`` keys, ``norm`` + ``output`` on the
-last; absent pieces are ``None``), so parameter FQNs -- and state dicts merged over stages -- are
-the unsplit model's. The schedules (and their engine) are PyTorch's:
+The model is cut into ``pp x stages_per_rank`` stages (by layer count, by a cost model, or by an
+explicit list: ``split``), each a ``PipelineStageModule`` (:mod:`lockstep.parallel.pipeline_stage`:
+any block kind, MTP heads and tied embeddings on the last stage, auxiliary losses of every stage
+joined to the backward). The schedules (and their engine) are PyTorch's:
 
 ================  ==============  ===========================  =======================================
 schedule          stages / rank   placement of stage s         n_microbatches (pp = pipeline ranks)
@@ -21,6 +20,9 @@ DualPipeV         2               V: ranks 0..pp-1..0          >= 2 * pp
 The loss on the last stage is ``sum CE / (tokens of the whole batch)`` per micro-batch with
 ``scale_grads=False``: the micro-batch losses add up to the full-batch mean and the gradients are
 the single-process gradients of it (before data-parallel averaging, which FSDP does as usual).
+Auxiliary losses (MoE balance, MTP) join with ``loss_scale / n_microbatches`` per micro-batch (see
+``pipeline_stage``); the embedding shared by the first and last stage (tied head, MTP) has its
+copies' gradients summed by ``reduce_shared_grads`` before clipping (which counts it once).
 
 Compose with FSDP by passing ``parallelize_fn`` (applied to each stage module before it becomes a
 ``PipelineStage``), e.g. ``apply_fsdp(part, list(part.layers.values()), dp_mesh, ...)``; under the
@@ -30,7 +32,6 @@ V schedules the runner turns ``reshard_after_forward`` off on every FSDP unit (s
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -40,6 +41,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from lockstep.parallel.pipeline_stage import (  # noqa: F401  (re-exported)
+    AuxiliaryState,
+    PipelineStageModule,
+    StageReport,
+    _too_few_layers,
+    check_splittable,
+    layer_ranges,
+    shared_parameter_names,
+    split_into_stages,
+    split_sizes,
+)
 
 SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV", "GPipe")
 #: stages each pipeline rank holds under a schedule
@@ -112,118 +125,6 @@ def validate_pipeline(schedule: str, pp: int, n_microbatches: int, n_layers: int
     return schedule
 
 
-def _too_few_layers(n_layers: int, n_stages: int, what: str) -> str:
-    return (f"pp: {n_layers} layers cannot be split into {n_stages} pipeline stages ({what}); every stage "
-            "needs at least one layer: lower pp, use a single-stage schedule (1F1B, GPipe), or add layers")
-
-
-def layer_ranges(n_layers: int, n_stages: int) -> list[range]:
-    """Contiguous layer indices per stage, split evenly by count (earlier stages take the remainder:
-    the last stage also carries the head and the loss)."""
-    if n_stages < 1:
-        raise ValueError(f"pp: need at least one stage, got {n_stages}")
-    if n_layers < n_stages:
-        raise ValueError(_too_few_layers(n_layers, n_stages, f"{n_stages} stages requested"))
-    base, extra = divmod(n_layers, n_stages)
-    ranges, start = [], 0
-    for s in range(n_stages):
-        size = base + (1 if s < extra else 0)
-        ranges.append(range(start, start + size))
-        start += size
-    return ranges
-
-
-class PipelineStageModule(nn.Module):
-    """One pipeline stage of a ``Transformer``, built from (copies of) the model's own submodules.
-
-    ``forward(x)``: token ids [B, T] on the first stage (embedded here), hidden states [B, T, dim]
-    elsewhere; runs this stage's blocks with rope for positions ``0..T-1`` (as the full model does
-    by default), then the final norm and head on the last stage (logits [B, T, vocab]).
-    """
-
-    def __init__(self, config, *, tok_embeddings: nn.Module | None, rope: nn.Module, layers: nn.ModuleDict,
-                 norm: nn.Module | None, output: nn.Module | None, stage_index: int, n_stages: int) -> None:
-        super().__init__()
-        self.config = config
-        self.stage_index = stage_index
-        self.n_stages = n_stages
-        self.tok_embeddings = tok_embeddings
-        self.rope = rope
-        self.layers = layers
-        self.norm = norm
-        self.output = output
-
-    @property
-    def is_last(self) -> bool:
-        return self.output is not None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        rope = self.rope.prefix(h.shape[1])  # positions 0..T-1, as the full model's default
-        for layer in self.layers.values():
-            h = layer(h, rope)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
-        return h
-
-    def extra_repr(self) -> str:
-        return f"stage={self.stage_index}/{self.n_stages}, layers={list(self.layers.keys())}"
-
-
-def _check_splittable(model: nn.Module) -> None:
-    from lockstep.models.common.transformer import Transformer
-
-    if not isinstance(model, Transformer) or type(model).forward is not Transformer.forward:
-        raise ValueError(f"pp: pipeline stages are cut from a plain Transformer; got {type(model).__name__} "
-                         "(extra heads such as MTP are not supported)")
-    if model.config.tie_embeddings:
-        raise ValueError("pp: tied embeddings (model.tie_embeddings) put one weight on the first and the last "
-                         "stage; untie them to pipeline this model")
-    for name, module in model.named_modules():
-        if module is not model and hasattr(module, "pop_auxiliary"):
-            raise ValueError(f"pp: {name} ({type(module).__name__}) records auxiliary losses/updates in its "
-                             "forward, which pipeline stages cannot carry to the loss; use a dense model")
-    from torch.distributed.fsdp import FSDPModule
-
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise ValueError("pp: split the plain model, then shard each stage (parallelize_fn)")
-
-
-def split_into_stages(model: nn.Module, n_stages: int, stage_ids: Sequence[int] | None = None
-                      ) -> list[PipelineStageModule]:
-    """Stage modules for ``stage_ids`` (default: all ``n_stages``), each a deep copy of the pieces it keeps.
-
-    TorchTitan's cut: stage ``s`` keeps the ``layers`` keys of its contiguous share (the keys stay the
-    model's, "0".."n-1"), the first stage keeps ``tok_embeddings``, the last keeps ``norm`` and
-    ``output``; the others hold ``None`` there. ``model`` itself is left untouched.
-    """
-    _check_splittable(model)
-    ranges = layer_ranges(model.config.n_layers, n_stages)
-    ids = list(range(n_stages)) if stage_ids is None else list(stage_ids)
-    stages = []
-    for s in ids:
-        if not 0 <= s < n_stages:
-            raise ValueError(f"pp: stage index {s} is outside 0..{n_stages - 1}")
-        memo: dict = {}  # one memo per stage: anything shared inside a stage stays shared
-
-        def keep(module):
-            return copy.deepcopy(module, memo) if module is not None else None
-
-        first, last = s == 0, s == n_stages - 1
-        stages.append(PipelineStageModule(
-            model.config,
-            tok_embeddings=keep(model.tok_embeddings) if first else None,
-            rope=keep(model.rope),
-            layers=nn.ModuleDict({str(i): keep(model.layers[str(i)]) for i in ranges[s]}),
-            norm=keep(model.norm) if last else None,
-            output=keep(model.output) if last else None,
-            stage_index=s, n_stages=n_stages,
-        ))
-    return stages
-
-
 def _stage_class():
     from torch.distributed.pipelining import PipelineStage
 
@@ -234,6 +135,21 @@ def _stage_class():
         DualPipeV) under ``schedule.eval`` and asserts in ``get_local_bwd_output`` while passing the
         (absent) gradient to the adjacent stage on the same rank.
         """
+
+        def _forward_metadata_inference(self, *args, **kwargs):
+            # torch runs the stage once on placeholder inputs to learn its output shapes: that pass
+            # must leave no trace (no auxiliary losses reported, no routing counts for the bias step)
+            from lockstep.models.common.moe import MoE
+
+            moes = [m for m in self.submod.modules() if isinstance(m, MoE)]
+            saved = [m.pending_counts for m in moes]
+            self.submod.inferring_shapes = True
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                self.submod.inferring_shapes = False
+                for m, counts in zip(moes, saved):
+                    m.pending_counts = counts
 
         def get_local_bwd_output(self, mb_index):
             if not self.has_backward:
@@ -285,6 +201,10 @@ def _keep_unsharded_after_forward(parts: Sequence[nn.Module]) -> None:
                 module.set_reshard_after_forward(False, recurse=False)
 
 
+def _local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @dataclasses.dataclass
 class _LossState:
     #: ``scale / (target tokens of the whole batch)`` as a float32 0-d tensor on the batch's device:
@@ -296,13 +216,19 @@ class PipelineRunner:
     """This rank's stages of ``model`` and the schedule that trains them.
 
     ``pp_group``: the pipeline dim -- a 1-D ``DeviceMesh`` (``mesh["pp"]``) or a ``ProcessGroup``.
-    ``parallelize_fn(part) -> part | None`` runs on each stage module first (FSDP, activation
-    checkpointing). Every rank of the pipeline calls ``step`` with the same batch.
+    ``parallelize_fn(part) -> part | None`` runs on each stage module first (EP, TP, FSDP,
+    activation checkpointing). Every rank of the pipeline calls ``step`` with the same batch.
+    ``split``: "even" (by layer count), "cost" (:func:`pipeline_stage.cost_split` at ``seq_len``)
+    or layers per stage. ``tp_mesh``: the tensor-parallel mesh when the stages are TP-sharded (the
+    last stage's logits leave sharded on the vocabulary; the loss is loss-parallel -- run ``step``
+    under ``loss_parallel()``). ``ep_group``: the expert-parallel group (gradient norms of the
+    rank-local experts are summed over it).
     """
 
     def __init__(self, model: nn.Module, pp_group, *, schedule: str = "1F1B", n_microbatches: int | None = None,
                  parallelize_fn: Callable[[nn.Module], nn.Module | None] | None = None,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, split: str | Sequence[int] = "even",
+                 seq_len: int | None = None, tp_mesh=None, ep_group=None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -324,7 +250,15 @@ class PipelineRunner:
             device = next(model.parameters()).device
         self.device = torch.device(device)
 
-        parts = split_into_stages(model, self.n_stages, self.stage_ids)
+        sizes = split_sizes(model, self.n_stages, split, seq_len)
+        #: layers per stage (all stages, in order)
+        self.stage_layers = [len(r) for r in layer_ranges(model.config.n_layers, self.n_stages, sizes)]
+        parts = split_into_stages(model, self.n_stages, self.stage_ids, sizes)
+        self.aux_state = AuxiliaryState(n_microbatches=n_microbatches)
+        shared_names = [shared_parameter_names(model.config, p) for p in parts]
+        for part in parts:
+            part.aux_state = self.aux_state
+        self.tp_mesh, self.ep_group = tp_mesh, ep_group
         if parallelize_fn is not None:
             parts = [(parallelize_fn(p) or p) for p in parts]
         if self.schedule_name in V_SCHEDULES:
@@ -338,6 +272,7 @@ class PipelineRunner:
         self.has_first_stage = 0 in self.stage_ids
         self.has_last_stage = self.n_stages - 1 in self.stage_ids
         self.last_stage_rank = dist.get_global_rank(pp_group, last_stage_pp_rank(self.schedule_name, self.pp))
+        self._setup_shared(parts, shared_names)
 
         self._loss_state = _LossState()
         cls = get_schedule_class(self.schedule_name)
@@ -345,6 +280,10 @@ class PipelineRunner:
         self.schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.tp_mesh is not None:  # this rank's vocabulary shard: loss-parallel cross-entropy
+            from torch.distributed.tensor import Shard
+
+            logits = DTensor.from_local(logits, self.tp_mesh, [Shard(-1)], run_check=False)
         total = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum",
                                 ignore_index=IGNORE_INDEX)
         return total * self._loss_state.factor
@@ -358,15 +297,25 @@ class PipelineRunner:
         n_tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
         scale64 = torch.full((), scale, dtype=torch.float64, device=targets.device)
         self._loss_state.factor = scale64.div(n_tokens).float()
+        aux = torch.full((), scale / self.n_microbatches, dtype=torch.float64, device=targets.device)
+        self.aux_state.factor = aux.float()
+        self.aux_state.report = StageReport()
 
     def _run(self, run, inputs, targets) -> torch.Tensor | None:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         target = targets if self.has_last_stage else None
         args = (inputs,) if self.has_first_stage else ()
-        run(*args, target=target, losses=losses)
+        # every stage gets the micro-batch's token ids: the last stage's MTP heads embed them, and
+        # under TP a stage's input is its sequence shard while rope covers the whole sequence
+        run(*args, target=target, losses=losses, tokens=inputs)
         if not self.has_last_stage:
             return None
-        return torch.stack([l.detach().float() for l in losses]).sum().to(torch.float64)
+        return torch.stack([_local(l.detach()).float() for l in losses]).sum().to(torch.float64)
+
+    def report(self) -> StageReport:
+        """This rank's stages' auxiliary losses and metrics of the last ``step``/``eval_loss``
+        (each summed over micro-batches / n_microbatches: the batch's value for batch means)."""
+        return self.aux_state.report
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, *,
              loss_scale: float = 1.0) -> torch.Tensor | None:
@@ -386,6 +335,7 @@ class PipelineRunner:
         """Forward-only mean cross-entropy of a batch (a float64 0-d tensor on the last-stage rank;
         None elsewhere)."""
         self._prepare(inputs, targets, 1.0)
+        self.aux_state.factor = None
         return self._run(lambda *a, **k: self.schedule.eval(*a, return_outputs=False, **k), inputs, targets)
 
     def broadcast_loss(self, loss: torch.Tensor | float | None) -> float:
@@ -397,18 +347,75 @@ class PipelineRunner:
             dist.broadcast(t, src=self.last_stage_rank, group=self.group)
         return float(t)
 
+    def _setup_shared(self, parts: Sequence[nn.Module], names: Sequence[list[str]]) -> None:
+        """The copies of the embedding shared by the first and last stage (tied head, MTP): on this
+        rank, and the group that sums their gradients (the pipeline group itself at pp=2, a 2-rank
+        group of the first and last stage's ranks beyond; none when one rank holds both)."""
+        self._shared: list[tuple[int, str]] = [(i, n) for i, ns in enumerate(names) for n in ns]
+        #: parameters whose gradient norm another stage already counts (the last stage's copies)
+        self._norm_skip: set[int] = set()
+        self._shared_group = None
+        if not self._shared:
+            return
+        for i, name in self._shared:
+            if parts[i].is_last:
+                self._norm_skip.add(id(parts[i].get_parameter(name)))
+        first, last = 0, last_stage_pp_rank(self.schedule_name, self.pp)
+        if first == last:
+            return
+        if self.pp == 2:
+            self._shared_group = self.group
+        else:
+            pair = [dist.get_global_rank(self.group, first), dist.get_global_rank(self.group, last)]
+            self._shared_group = dist.new_group(pair, use_local_synchronization=True)
+
+    @torch.no_grad()
+    def reduce_shared_grads(self) -> None:
+        """Sum the gradients of the embedding copies held by the first and last stage (after
+        backward, before clipping): every copy then has one process's gradient of the shared weight."""
+        if not self._shared:
+            return
+        params = [self.model_parts[i].get_parameter(n) for i, n in self._shared]
+        params = list({id(p): p for p in params}.values())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad for p in params]
+        total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+        if self._shared_group is not None:
+            total = total.clone() if len(grads) == 1 else total
+            dist.all_reduce(total, group=self._shared_group)
+        for g in grads:
+            g.copy_(total)
+
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """``lockstep.parallel.grad.clip_grad_norm`` over the whole pipeline: each rank's squared
-        norm (already reduced over its FSDP mesh) is summed over the pipeline group first, so every
-        rank scales by the global norm. Returns the norm before clipping (same on every rank)."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        squares = torch.zeros((), dtype=torch.float32)
-        for g in grads:
-            norm = torch.linalg.vector_norm(g, 2.0, dtype=torch.float32)
+        norm (already reduced over its FSDP / TP mesh; rank-local experts summed over ep) is summed
+        over the pipeline group, so every rank scales by the global norm; the shared embedding counts
+        once. Returns the norm before clipping (same on every rank)."""
+        from lockstep.parallel.expert import expert_parameters
+
+        experts = {id(p) for part in self.model_parts for p in expert_parameters(part)} if self.ep_group else set()
+        squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        expert_squares = torch.zeros((), dtype=torch.float32, device=self.device)
+        grads = []
+        for p in self.parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            if id(p) in self._norm_skip:
+                continue
+            norm = torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32)
             if isinstance(norm, DTensor):
                 norm = norm.full_tensor()
-            squares = squares + norm * norm
+            if id(p) in experts:
+                expert_squares = expert_squares + norm * norm
+            else:
+                squares = squares + norm * norm
+        if self.ep_group is not None:
+            dist.all_reduce(expert_squares, group=self.ep_group)
+            squares = squares + expert_squares
         if self.pp > 1:
             dist.all_reduce(squares, group=self.group)
         total = squares.sqrt()
@@ -432,21 +439,30 @@ class PipelineRunner:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The unsplit model's full state dict (FQNs as in ``Transformer``) on global rank 0, ``{}``
-        elsewhere. Collective over the whole world: every rank must call it."""
+        elsewhere. Collective over the whole world: every rank must call it. One rank per stage
+        sends (coordinate 0 on every data-parallel and tensor-parallel dim); expert-parallel
+        experts are gathered over ep first."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-        from torch.distributed.fsdp import FSDPModule
 
         local: dict[str, torch.Tensor] = {}
         owner = True
         for part in self.model_parts:
-            if isinstance(part, FSDPModule):
+            params = list(part.parameters())
+            if any(isinstance(p, DTensor) for p in params):
                 state = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
-                dt = next((p for p in part.parameters() if isinstance(p, DTensor)), None)
-                if dt is not None and any(c != 0 for c in dt.device_mesh.get_coordinate() or ()):
-                    owner = False  # data-parallel copies of the same stage: one rank sends
+                for p in params:
+                    if isinstance(p, DTensor) and any(c != 0 for c in p.device_mesh.get_coordinate() or ()):
+                        owner = False  # data- or tensor-parallel copies of the same stage: one rank sends
             else:
                 state = part.state_dict()
-            local.update({k.replace("._checkpoint_wrapped_module", ""): v.detach().cpu() for k, v in state.items()})
+            if self.ep_group is not None:
+                from lockstep.parallel.expert import gather_full_experts
+
+                state.update(gather_full_experts(part, self.ep_group))
+                if dist.get_rank(self.ep_group) != 0:
+                    owner = False
+            local.update({k.replace("._checkpoint_wrapped_module", ""): _local(v).detach().cpu()
+                          for k, v in state.items()})
         if not owner:
             local = {}
         if not dist.is_initialized() or dist.get_world_size() == 1:

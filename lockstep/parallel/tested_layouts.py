@@ -12,7 +12,8 @@ FOUR_LAYERS = ["--model.n-layers", "4"]  # interleaved / V schedules place 2 sta
 BALANCING = ["--model.feed-forward.bias-update-speed", "0.01", "--model.feed-forward.seq-aux-loss-coef", "0.01"]
 #: layouts whose parameters after the steps are compared with one process as well as their losses
 PARAMS_CHECKED = {"tp=2 deepseek (MLA, expert TP, MTP)", "tp=2 moe (expert TP)", "tp=2 x ep=2 moe",
-                  "tp=2 x ep=2 deepseek", "cp=2 x tp=2 qwen3"}
+                  "tp=2 x ep=2 deepseek", "cp=2 x tp=2 qwen3",
+                  "cp=2 moe (whole-sequence aux loss)"}
 
 TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("dp_shard=2", "debug", 2, {"dp_shard": 2}, []),
@@ -34,14 +35,22 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("tp=2 x ep=2 deepseek", "debug-deepseek", 4, {"dp_shard": 2, "ep": 2, "tp": 2}, BALANCING),
     ("cp=2 allgather", "debug", 2, {"cp": 2}, []),
     ("cp=2 ring x dp_shard=2", "debug", 4, {"cp": 2, "cp_method": "ring", "dp_shard": 2}, []),
-    # MoE under cp: every rank's expert-load metrics reach the record (pp refuses MoE blocks)
-    ("cp=2 moe", "debug-moe", 2, {"cp": 2}, []),
+    # MoE under cp: every rank's expert-load metrics reach the record; the sequence balance loss and
+    # the bias counts are whole-sequence (parallel/context_losses.py): aux losses equal one process
+    ("cp=2 moe (whole-sequence aux loss)", "debug-moe", 2, {"cp": 2}, BALANCING),
     # heads split by tp, the sequence by cp (q/k norms, tied embeddings, loss-parallel CE over cp)
     ("cp=2 x tp=2 qwen3", "debug-qwen3", 4, {"cp": 2, "tp": 2}, []),
     ("pp=2 1F1B", "debug", 2, {"pp": 2}, []),
     ("pp=2 ZBVZeroBubble", "debug", 2, {"pp": 2, "pp_schedule": "ZBVZeroBubble"}, FOUR_LAYERS),
     ("pp=2 x dp_shard=2 Interleaved1F1B", "debug", 4,
      {"pp": 2, "dp_shard": 2, "pp_schedule": "Interleaved1F1B", "pp_microbatches": 2}, FOUR_LAYERS),
+    # pipelines of every model kind: the MoE balance loss and bias counts of each stage, DeepSeek's
+    # dense first layer + MLA + MTP heads on the last stage (their loss and the embedding copy's
+    # gradient joining the first stage's), tied embeddings reduced between first and last stage
+    ("pp=2 moe (aux losses)", "debug-moe", 2, {"pp": 2}, BALANCING),
+    ("pp=2 deepseek (MTP, dense first)", "debug-deepseek", 2, {"pp": 2}, BALANCING),
+    ("pp=2 x ep=2 deepseek (MTP)", "debug-deepseek", 4, {"pp": 2, "dp_shard": 2, "ep": 2}, BALANCING),
+    ("pp=2 x tp=2 qwen3 (tied)", "debug-qwen3", 4, {"pp": 2, "tp": 2}, []),
 ]
 
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")
