@@ -34,6 +34,9 @@ class ParallelConfig(Config):
     pp_schedule: str = "1F1B"
     #: micro-batches per pipeline step; 0 uses the number of stages
     pp_microbatches: int = 0
+    #: layers per pipeline stage: "even" (by count), "cost" (balance a FLOP model of layers, embedding
+    #: and head, MTP included), or layers per stage, e.g. "3,1"
+    pp_split: str = "even"
     #: FSDP mixed precision: parameter dtype in compute ("float32" or "bfloat16")
     fsdp_param_dtype: str = "float32"
     #: FSDP: free gathered parameters after forward ("always", "never", "except_last")
@@ -48,6 +51,12 @@ class ParallelConfig(Config):
         require(self.pp >= 1, f"{path}.pp", f"must be >= 1, got {self.pp}")
         require(self.cp >= 1, f"{path}.cp", f"must be >= 1, got {self.cp}")
         require_choice(self.cp_method, ["allgather", "ring"], f"{path}.cp_method")
+        from lockstep.parallel.pipeline_stage import parse_split
+
+        try:
+            parse_split(self.pp_split)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         require(self.pp_microbatches >= 0, f"{path}.pp_microbatches", f"must be >= 0, got {self.pp_microbatches}")
         require_choice(self.fsdp_param_dtype, ["float32", "bfloat16"], f"{path}.fsdp_param_dtype")
         require_choice(self.reshard_after_forward, ["always", "never", "except_last"],
@@ -66,8 +75,6 @@ class ParallelConfig(Config):
                     f"is not supported yet")
             require(self.ep == 1, "parallel.cp", f"context parallel with expert parallel (parallel.ep={self.ep}) "
                     f"is not supported yet")
-        if self.pp > 1:
-            require(self.tp == 1 and self.ep == 1, "parallel.pp", "pipeline parallel with tp or ep is not supported yet")
         dp_shard = world_size // others if self.dp_shard == -1 else self.dp_shard
         if self.ep > 1:
             require(dp_shard % self.ep == 0, "parallel.ep", f"{self.ep} must divide dp_shard={dp_shard}")

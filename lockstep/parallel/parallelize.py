@@ -55,8 +55,8 @@ def apply_dense_tp(model: nn.Module, tp_mesh) -> None:
     replicate_auxiliary_losses(model, tp_mesh)
     # Both the embedding (row-wise) and the head (column-wise) shard the vocabulary dim, so a tied
     # pair stays one parameter: re-tie, since each parallelize call made its own DTensor.
-    if model.config.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+    if model.config.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
+        model.output.weight = model.tok_embeddings.weight  # (a pipeline stage may hold only one of them)
 
 
 def _apply_block_tp(block: nn.Module, tp_mesh, residual_dtensor: bool) -> None:

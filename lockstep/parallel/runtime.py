@@ -147,20 +147,16 @@ class ParallelRuntime:
                 self.context.install(model)
             self.model = model
             return model
-        from lockstep.parallel.checkpointing import apply_activation_checkpointing
-        from lockstep.parallel.fsdp import apply_fsdp, dp_mesh
         from lockstep.parallel.pipeline import PipelineRunner
-
-        def parallelize_stage(part: nn.Module) -> nn.Module:
-            apply_activation_checkpointing(part, activation_checkpoint)
-            if self.dims.dp > 1:
-                apply_fsdp(part, list(part.layers.values()), dp_mesh(self.mesh, self.dims), config.fsdp_param_dtype,
-                           config.reshard_after_forward)
-            return part
+        from lockstep.parallel.pipeline_parallelize import stage_parallelizer
 
         self.pipeline = PipelineRunner(model, self.mesh["pp"], schedule=config.pp_schedule,
                                        n_microbatches=config.pp_microbatches or None,
-                                       parallelize_fn=parallelize_stage, device=self.device)
+                                       parallelize_fn=stage_parallelizer(self.dims, self.mesh, config,
+                                                                         activation_checkpoint),
+                                       device=self.device, split=config.pp_split,
+                                       tp_mesh=self.mesh["tp"] if self.dims.tp > 1 else None,
+                                       ep_group=self.mesh["ep"].get_group() if self.dims.ep > 1 else None)
         self.model = nn.ModuleList(self.pipeline.model_parts)
         return self.model
 
@@ -221,16 +217,17 @@ class ParallelRuntime:
 
     def _pipeline_forward(self, inputs, targets, accumulate: int, stage, train: bool) -> StepLoss:
         """The schedule's step on this rank's stages. The loss exists on the last stage's rank only
-        (None elsewhere; ``StepScalars`` averages over the ranks holding it). No auxiliary losses or
-        module metrics: stages pass only hidden states on and the schedule's loss function sees the
-        last stage's logits alone, so the pipeline refuses models whose modules record them (MoE,
-        MTP; ``pipeline._check_splittable``)."""
-        with stage("forward_backward" if train else "forward"), self.autocast():
+        (None elsewhere; ``StepScalars`` averages over the ranks holding it); every rank reports its
+        own stages' auxiliary losses (MoE balance, MTP: already in the gradients, see
+        ``pipeline_stage``) and module metrics, averaged over the micro-batches."""
+        with stage("forward_backward" if train else "forward"), self.autocast(), self.loss_context():
             if train:
                 local = self.pipeline.step(inputs, targets, loss_scale=1.0 / accumulate)
             else:
                 local = self.pipeline.eval_loss(inputs, targets)
-        return StepLoss(local)  # a detached float64 tensor on the device (None off the last stage)
+        report = self.pipeline.report()
+        # a detached float64 tensor on the device (None off the last stage)
+        return StepLoss(local, dict(report.aux_losses), dict(report.metrics))
 
     def scalars(self) -> StepScalars:
         """An accumulator of a step's scalars, reduced over this runtime's ranks in one collective."""
@@ -250,6 +247,8 @@ class ParallelRuntime:
         """Gradient sync (cp sums, ep scaling) and clipping to ``max_norm`` (inf: none); returns the
         global norm before clipping (a tensor, the same on every rank; no host read here)."""
         model = self.model
+        if self.pipeline is not None:
+            self.pipeline.reduce_shared_grads()  # the embedding copies of the first and last stage
         self.sync_context_grads(model)
         self.after_backward(model)
         return self.clip_grad_norm(model, max_norm)
