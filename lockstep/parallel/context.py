@@ -38,7 +38,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lockstep.ops.attention import AttentionFn, attention_layers, get_attention, set_attention_wrapper
+from lockstep.config.base import ConfigError
+from lockstep.ops.attention import (AttentionFn, AttentionLayer, attention_layers, get_attention,
+                                    set_attention_wrapper)
 
 METHODS = ("allgather", "ring")
 
@@ -322,6 +324,20 @@ _RingAttention.backward = staticmethod(_no_autocast(_RingAttention.backward))
 # ----------------------------------------------------------------------------- the context object
 
 
+def _refuse_recurrences(model: nn.Module) -> None:
+    blocks = dict(getattr(model, "layers", {}).items())
+    blocks.update({f"mtp.{k}.block": layer.block for k, layer in (getattr(model, "mtp", None) or {}).items()})
+    for name, block in blocks.items():
+        mixer = getattr(block, "attention", None)
+        if mixer is not None and not isinstance(mixer, AttentionLayer):
+            where = name if name.startswith("mtp") else f"layers.{name}"
+            family = getattr(getattr(model, "config", None), "family", "this model")
+            raise ConfigError(
+                f"parallel.cp: context parallel shards each sequence across ranks, but {where}.attention is a "
+                f"{type(mixer).__name__} (a recurrence: its state would have to pass from rank to rank along the "
+                f"sequence), which context parallel does not support; use parallel.cp=1 for {family}")
+
+
 class ContextParallel:
     """Context parallelism over ``group`` (None: the default group, or world 1 when not distributed).
 
@@ -382,19 +398,30 @@ class ContextParallel:
 
     # -- installing on a model ----------------------------------------------------------------------
     def install(self, model: nn.Module) -> int:
-        """Make CP (:meth:`wrap`) the attention wrapper of every attention layer; returns how many."""
+        """Make CP (:meth:`wrap`) the attention wrapper of every attention layer; returns how many.
+        Distributed (cp > 1), the MoE layers' whole-sequence loss and count hooks are set too
+        (:mod:`lockstep.parallel.context_losses`). A sequence mixer that is not attention (a
+        recurrence) is refused: its state would have to pass from rank to rank along the sequence."""
+        _refuse_recurrences(model)
         layers = list(attention_layers(model))
         if not layers:
             raise ValueError("context parallel: the model has no attention layer (an ops.attention.AttentionLayer)")
         if any(layer.attention_wrapper is not None for layer in layers):
             raise RuntimeError("context parallel: an attention wrapper is already installed on this model")
+        if self.size > 1:
+            from lockstep.parallel.context_losses import install_auxiliary
+
+            install_auxiliary(model, self)
         return set_attention_wrapper(model, self.wrap)
 
     @staticmethod
     def uninstall(model: nn.Module) -> int:
-        """Remove the attention wrappers ``install`` set; returns how many layers had one."""
+        """Remove the attention wrappers (and loss hooks) ``install`` set; returns how many layers had one."""
+        from lockstep.parallel.context_losses import remove_auxiliary
+
         count = sum(layer.attention_wrapper is not None for layer in attention_layers(model))
         set_attention_wrapper(model, None)
+        remove_auxiliary(model)
         return count
 
     @contextlib.contextmanager
@@ -406,6 +433,21 @@ class ContextParallel:
             self.uninstall(model)
 
     # -- loss and gradients -------------------------------------------------------------------------
+    def mtp_shift(self, tokens: torch.Tensor, positions: torch.Tensor, k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """MTP depth ``k``'s (tokens, targets, positions) for this rank's positions (a model hook)."""
+        from lockstep.parallel.context_losses import mtp_shift
+
+        return mtp_shift(tokens, positions, k, self.group)
+
+    def report_auxiliary(self, losses: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The whole-sequence values (detached) of this rank's auxiliary-loss parts: summed over cp."""
+        if self.size == 1:
+            return {k: v.detach() for k, v in losses.items()}
+        from lockstep.parallel.context_losses import report_auxiliary
+
+        return report_auxiliary(losses, self.group)
+
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """(local part, global mean) of next-token CE over the whole sequence from sharded logits.

@@ -13,7 +13,7 @@ BALANCING = ["--model.feed-forward.bias-update-speed", "0.01", "--model.feed-for
 #: layouts whose parameters after the steps are compared with one process as well as their losses
 PARAMS_CHECKED = {"tp=2 deepseek (MLA, expert TP, MTP)", "tp=2 moe (expert TP)", "tp=2 x ep=2 moe",
                   "tp=2 x ep=2 deepseek", "cp=2 x tp=2 qwen3",
-                  "cp=2 moe (whole-sequence aux loss)"}
+                  "cp=2 moe (whole-sequence aux loss)", "cp=2 deepseek (MLA, MTP)"}
 
 TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("dp_shard=2", "debug", 2, {"dp_shard": 2}, []),
@@ -38,6 +38,9 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     # MoE under cp: every rank's expert-load metrics reach the record; the sequence balance loss and
     # the bias counts are whole-sequence (parallel/context_losses.py): aux losses equal one process
     ("cp=2 moe (whole-sequence aux loss)", "debug-moe", 2, {"cp": 2}, BALANCING),
+    # MTP under cp: depth k's tokens and targets cross the shard boundary (all-gathered token ids),
+    # its loss is the whole-sequence mean (aux losses equal one process)
+    ("cp=2 deepseek (MLA, MTP)", "debug-deepseek", 2, {"cp": 2}, []),
     # heads split by tp, the sequence by cp (q/k norms, tied embeddings, loss-parallel CE over cp)
     ("cp=2 x tp=2 qwen3", "debug-qwen3", 4, {"cp": 2, "tp": 2}, []),
     ("pp=2 1F1B", "debug", 2, {"pp": 2}, []),
@@ -52,6 +55,8 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("pp=2 x ep=2 deepseek (MTP)", "debug-deepseek", 4, {"pp": 2, "dp_shard": 2, "ep": 2}, BALANCING),
     ("pp=2 x tp=2 qwen3 (tied)", "debug-qwen3", 4, {"pp": 2, "tp": 2}, []),
 ]
+PARAMS_CHECKED |= {"pp=2 moe (aux losses)", "pp=2 deepseek (MTP, dense first)", "pp=2 x ep=2 deepseek (MTP)",
+                   "pp=2 x tp=2 qwen3 (tied)"}
 
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")
 

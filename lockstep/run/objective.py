@@ -52,5 +52,8 @@ class LMObjective:
             inputs, targets, positions = self.context.shard_batch(inputs, targets)
             local, main = self.context.cross_entropy(model(inputs, positions=positions), targets)
         aux_losses, metrics = model.pop_auxiliary()
-        report = StepLoss(main.detach(), {k: v.detach() for k, v in aux_losses.items()}, metrics)
+        # under cp each auxiliary loss is this rank's part of the whole sequences' value
+        aux_report = ({k: v.detach() for k, v in aux_losses.items()} if self.context is None
+                      else self.context.report_auxiliary(aux_losses))
+        report = StepLoss(main.detach(), aux_report, metrics)
         return local + sum(aux_losses.values()), report

@@ -52,7 +52,7 @@ def reference(tmp_path_factory):
         key = (recipe, tuple(model_flags))
         if key not in cache:
             records, run_dir = _train(root / f"{recipe}-{len(cache)}", recipe, extra=model_flags, save_weights=True)
-            cache[key] = [r["loss"] for r in records], run_dir
+            cache[key] = records, run_dir
         return cache[key]
 
     return get
@@ -67,10 +67,15 @@ def test_layout_matches_one_process(tmp_path, reference, name, recipe, nproc, de
     check_params = name in PARAMS_CHECKED
     records, run_dir = _train(tmp_path / "run", recipe, nproc, degrees + flags, save_weights=check_params)
     losses = [r["loss"] for r in records]
-    expected, ref_dir = reference(recipe, flags)  # flags are model flags: the reference uses them too
+    ref_records, ref_dir = reference(recipe, flags)  # flags are model flags: the reference uses them too
+    expected = [r["loss"] for r in ref_records]
     assert len(losses) == len(expected) == 5
     diffs = [abs(a - b) for a, b in zip(losses, expected)]
     assert max(diffs) <= 1e-5, (name, losses, expected)
+    for got_r, want_r in zip(records, ref_records):  # auxiliary losses (MoE balance, MTP) too
+        aux = sorted(k for k in want_r if k.startswith("aux_loss/"))
+        assert aux == sorted(k for k in got_r if k.startswith("aux_loss/")), (name, got_r.keys())
+        assert all(abs(got_r[k] - want_r[k]) <= 1e-5 for k in aux), (name, got_r, want_r)
     if check_params:
         from safetensors.torch import load_file
 

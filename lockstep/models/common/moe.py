@@ -264,6 +264,10 @@ class MoE(nn.Module):
         #: set from outside by a parallel plan: sums expert counts over ranks that see other tokens,
         #: so replicated routers take the same bias step (the model itself knows no process groups)
         self.reduce_counts = None
+        #: set from outside by context parallelism (each rank holds part of every sequence): the
+        #: sequence balance loss as this rank's part of the whole sequences' loss, same signature as
+        #: :func:`sequence_balance_loss` (the one-process loss when None)
+        self.sequence_loss = None
         #: set from outside by a tensor-parallel plan that splits each expert's hidden dim (each rank
         #: computes a partial sum of the experts' outputs): applied to the tokens and the routing
         #: weights entering that partial computation; identity forward, sums their gradients over
@@ -340,7 +344,8 @@ class MoE(nn.Module):
             # loss's backward saved, and expects the same ops in the same order
             seq = shape[-2] if len(shape) >= 3 else shape[0]
             b = scores.shape[0] // seq
-            loss = sequence_balance_loss(scores.view(b, seq, -1), indices.view(b, seq, -1), self.n_experts, self.top_k)
+            loss_fn = self.sequence_loss or sequence_balance_loss
+            loss = loss_fn(scores.view(b, seq, -1), indices.view(b, seq, -1), self.n_experts, self.top_k)
             losses["seq_aux_loss"] = cfg.seq_aux_loss_coef * loss
         if _recomputing():  # the forward already recorded this micro-batch
             return

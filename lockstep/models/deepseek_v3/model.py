@@ -198,15 +198,26 @@ class DeepSeekV3Transformer(Transformer):
             if config.n_mtp else None
         )
         self._mtp_losses: list[torch.Tensor] = []
+        #: set from outside by context parallelism (each rank holds part of every sequence): supplies
+        #: each depth's shifted tokens and targets for this rank's positions (``mtp_shift``) and the
+        #: loss as this rank's part of the whole-sequence mean (``cross_entropy``); None in one process
+        self.mtp_context = None
+        self._mtp_values: list[torch.Tensor] = []  # under mtp_context: the whole-sequence per-depth losses
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         positions, emb, h = self.trunk(tokens, positions)
         self._mtp_losses = []
         if self.mtp is not None and self.training and self.config.mtp_loss_weight > 0:
-            self._mtp_losses = [
-                F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-                for logits, targets in self._mtp_predict(tokens, positions, emb, h)
-            ]
+            if self.mtp_context is None:
+                self._mtp_losses = [
+                    F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+                    for logits, targets in self._mtp_predict(tokens, positions, emb, h)
+                ]
+            else:  # (this rank's part, whole-sequence value) per depth
+                parts = [self.mtp_context.cross_entropy(logits, targets)
+                         for logits, targets in self._mtp_predict(tokens, positions, emb, h)]
+                self._mtp_losses = [part for part, _ in parts]
+                self._mtp_values = [value for _, value in parts]
         return self.output(h)
 
     def mtp_predictions(self, tokens: torch.Tensor, positions: torch.Tensor | None = None
@@ -223,6 +234,11 @@ class DeepSeekV3Transformer(Transformer):
         seq = tokens.shape[1]
         out = []
         for k, layer in enumerate(self.mtp.values(), start=1):
+            if self.mtp_context is not None:  # every local position; targets past the end are ignored
+                shifted, targets, shifted_positions = self.mtp_context.mtp_shift(tokens, positions, k)
+                h = layer(self.tok_embeddings(shifted), h, self.rope(shifted_positions))
+                out.append((self.output(h), targets))
+                continue
             n = seq - k - 1  # positions i < n have their target t_{i+k+1} inside the inputs
             if n <= 0:
                 break
@@ -236,8 +252,9 @@ class DeepSeekV3Transformer(Transformer):
             depth = self.config.n_mtp  # DeepSeek-V3: lambda / D * sum_k L_k
             losses["mtp/loss"] = self.config.mtp_loss_weight * torch.stack(self._mtp_losses).sum() / depth
             # tensors, not floats: the step reduces its scalars once (no host sync per micro-batch)
-            metrics.update({f"mtp/loss_{k}": v.detach() for k, v in enumerate(self._mtp_losses, start=1)})
-        self._mtp_losses = []
+            values = self._mtp_values or self._mtp_losses
+            metrics.update({f"mtp/loss_{k}": v.detach() for k, v in enumerate(values, start=1)})
+        self._mtp_losses, self._mtp_values = [], []
         return losses, metrics
 
     def flops_per_token(self, seq_len: int) -> float:
