@@ -112,6 +112,7 @@ class PipelineStageModule(nn.Module):
         self.mtp = mtp
         self._model_cls = model_cls
         self._mtp_losses: list[torch.Tensor] = []
+        self.mtp_context = None  # read by the model class's MTP code (context parallel sets it; pp x cp is refused)
         #: set by the runner: where auxiliary losses go (None: popped and dropped)
         self.aux_state: AuxiliaryState | None = None
         #: the TP mesh when this stage's blocks keep the residual stream as DTensors (MTP under TP)
