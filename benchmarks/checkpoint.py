@@ -27,8 +27,8 @@ Then loads: the same 2-rank layout (lockstep ``Checkpointer.load`` vs ``get_stat
 with the saved state. Then a training loop in the same processes: 8 steps per method with an async
 save after every step, and without saves, in 3 passes (order reversed every other pass): the
 iteration time and the step's compute alone, whose growth is what the background writing costs
-training. ``LOCKSTEP_CKPT_WRITER_PRIORITY=normal`` runs lockstep's writer at normal priority
-instead of idle (lockstep/checkpoint/background.py), for an A/B. Last, ``lockstep train``
+training. ``LOCKSTEP_CKPT_WRITER_PRIORITY=idle`` runs lockstep's writer at idle priority
+(lockstep/checkpoint/background.py), for an A/B. Last, ``lockstep train``
 on the same model (FSDP2 x 2) with a checkpoint after every step and without: the blocking the
 Trainer itself records (``checkpoint/blocking_ms``) and the step time around background writes.
 

@@ -1,27 +1,29 @@
-"""How the background checkpoint writer shares the CPU with training: it runs at idle priority.
+"""The background checkpoint writer's CPU priority: normal by default, idle on request.
 
 A save's background work (sha256 of every shard, the write, fsync) is a fixed amount of CPU per
-save; run at normal priority it competes with the training ranks for every core, and with a save
-every step on a small host it shows up as slower steps. At idle priority (Linux ``SCHED_IDLE``;
-elsewhere the lowest ``nice``) the writer gets the cycles training leaves unused - collectives'
-waits, data loading, the optimizer's memory-bound phases - and yields the moment a rank wants the
-core back. It still finishes: a save waits for the previous one (``Checkpointer.save``), so a
-starved writer shows up as ``checkpoint/waited_ms``, never as a lost checkpoint. Torch-free: the
-writer process imports it.
+save. At idle priority (Linux ``SCHED_IDLE``, elsewhere the lowest ``nice``) the writer would take
+only the cycles training leaves unused and yield the moment a rank wants its core back. Measured
+on the shared 2-vCPU host of docs/benchmarks.md (other jobs keeping it saturated), idle priority
+made things worse: the starved writer finished late and the next save waited for it (a save every
+step: 1.58x the step time without saves, against 1.26x at normal priority, same benchmark). So the
+default is normal priority; ``LOCKSTEP_CKPT_WRITER_PRIORITY=idle`` opts in where the trainer has
+the host to itself. Torch-free: the writer process imports it.
 """
 
 from __future__ import annotations
 
 import os
 
-
-#: ``normal`` leaves the writer at the trainer's priority (for A/B measurements: benchmarks/checkpoint.py)
 PRIORITY_ENV = "LOCKSTEP_CKPT_WRITER_PRIORITY"
+CHOICES = ("normal", "idle")
 
 
 def lower_priority() -> str:
-    """Move this process to idle scheduling priority; returns what was applied (for logs/tests)."""
-    if os.environ.get(PRIORITY_ENV, "idle") == "normal":
+    """Apply ``$LOCKSTEP_CKPT_WRITER_PRIORITY`` to this process; returns what was applied."""
+    choice = os.environ.get(PRIORITY_ENV, "normal")
+    if choice not in CHOICES:
+        raise ValueError(f"{PRIORITY_ENV}: must be one of {', '.join(CHOICES)}, got {choice!r}")
+    if choice == "normal":
         return "unchanged"
     if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
         try:

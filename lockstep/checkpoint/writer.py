@@ -236,7 +236,7 @@ def attach_shared(name: str) -> shared_memory.SharedMemory:
 
 def writer_main(storage, jobs, results, parent_pid: int) -> None:
     """The background writer's loop (spawned process)."""
-    lower_priority()  # training keeps the cores; the writer takes what it leaves (checkpoint/background.py)
+    lower_priority()  # normal unless LOCKSTEP_CKPT_WRITER_PRIORITY=idle (checkpoint/background.py)
     plan: WritePlan | None = None
     shm: shared_memory.SharedMemory | None = None
     buffer = memoryview(b"")
