@@ -165,8 +165,8 @@ class _ChunkedAttention(torch.autograd.Function):
     log-sum-exp (nothing recomputed); otherwise SDPA is recomputed from q, k, v."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_positions, scale, square_causal):
-        ctx.scale, ctx.square_causal = scale, square_causal
+    def forward(ctx, q, k, v, q_positions, scale, square_causal, window=0, keep0=False):
+        ctx.scale, ctx.square_causal, ctx.window, ctx.keep0 = scale, square_causal, window, keep0
         if (square_causal and q.device.type == "cpu" and bi_kernel.available()
                 and q.dtype == k.dtype == v.dtype and v.shape[-1] == q.shape[-1]):
             scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -174,7 +174,7 @@ class _ChunkedAttention(torch.autograd.Function):
             ctx.save_for_backward(q, k, v, q_positions, out, lse)
             return out
         ctx.save_for_backward(q, k, v, q_positions)
-        return attention_forward(q, k, v, q_positions, scale)
+        return attention_forward(q, k, v, q_positions, scale, window, keep0)
 
     @staticmethod
     def backward(ctx, grad):
@@ -183,7 +183,7 @@ class _ChunkedAttention(torch.autograd.Function):
             out, lse = saved
             grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grad.to(out.dtype), q, k, v, out, lse, 0.0, True, scale=ctx.scale)
-            return (*(g if t.requires_grad else None for g, t in zip(grads, (q, k, v))), None, None, None)
+            return (*(g if t.requires_grad else None for g, t in zip(grads, (q, k, v))), None, None, None, None, None)
         with torch.enable_grad():
             q_, k_, v_ = (t.detach().requires_grad_(t.requires_grad) for t in (q, k, v))
             if ctx.square_causal:  # the trainer's full sequence: the flash kernel's backward
@@ -192,38 +192,52 @@ class _ChunkedAttention(torch.autograd.Function):
             else:
                 groups = q.shape[1] // k.shape[1]
                 kx, vx = (t.repeat_interleave(groups, dim=1) if groups > 1 else t for t in (k_, v_))
-                mask = torch.arange(k.shape[2], device=q.device) <= q_positions[:, None, :, None]
+                mask = visible_keys(q_positions, k.shape[2], ctx.window, ctx.keep0)
                 out = F.scaled_dot_product_attention(q_, kx, vx, attn_mask=mask, scale=ctx.scale)
             inputs = [t for t in (q_, k_, v_) if t.requires_grad]
             grads = iter(torch.autograd.grad(out, inputs, grad))
         return (next(grads) if q.requires_grad else None, next(grads) if k.requires_grad else None,
-                next(grads) if v.requires_grad else None, None, None, None)
+                next(grads) if v.requires_grad else None, None, None, None, None, None)
+
+
+def visible_keys(q_positions: torch.Tensor, n_keys: int, window: int = 0, keep0: bool = False) -> torch.Tensor:
+    """``[B, 1, T, S]``: key ``s`` is visible to query ``(b, t)`` (``s <= q_positions[b, t]``; with a window
+    also ``s > q_positions[b, t] - window``, key 0 excepted with ``keep0``: a sink key)."""
+    keys = torch.arange(n_keys, device=q_positions.device)
+    pos = q_positions[:, None, :, None]
+    mask = keys <= pos
+    if window:
+        mask = mask & ((keys > pos - window) | ((keys == 0) if keep0 else False))
+    return mask
 
 
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                      scale: float | None = None, square_causal: bool = False) -> torch.Tensor:
+                      scale: float | None = None, square_causal: bool = False, window: int = 0,
+                      keep0: bool = False) -> torch.Tensor:
     """Causal attention by absolute position, batch-invariant (module docstring).
 
     ``q [B, H, T, D]``, ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]`` with key ``s`` at position
     ``s``; ``q_positions [B, T]``: query ``(b, t)`` sees keys ``s <= q_positions[b, t]``. Returns
     ``[B, H, T, Dv]`` in q's dtype. Keys past a sequence's length must be finite (they get weight 0).
     ``square_causal``: the caller promises S == T and ``q_positions`` is ``arange(T)`` in every row
-    (the trainer's full sequence), which lets the backward use the flash kernel.
+    (the trainer's full sequence), which lets the backward use the flash kernel. ``window`` /
+    ``keep0``: :func:`visible_keys` (a window is never ``square_causal``).
     """
+    square_causal = square_causal and not window
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _ChunkedAttention.apply(q, k, v, q_positions, scale, square_causal)
-    return attention_forward(q, k, v, q_positions, scale)
+        return _ChunkedAttention.apply(q, k, v, q_positions, scale, square_causal, window, keep0)
+    return attention_forward(q, k, v, q_positions, scale, window, keep0)
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                      scale: float | None) -> torch.Tensor:
+                      scale: float | None, window: int = 0, keep0: bool = False) -> torch.Tensor:
     """The invariant forward: the C kernel (:mod:`lockstep.ops.bi_kernel`) on CPU where it builds,
     else :func:`tiled_attention_forward` (one choice per process and device, so both sides of a
     comparison agree)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.device.type == "cpu" and bi_kernel.available():
-        return bi_kernel.attention_forward(q, k, v, q_positions, scale)
-    return tiled_attention_forward(q, k, v, q_positions, scale)
+        return bi_kernel.attention_forward(q, k, v, q_positions, scale, window=window, keep0=keep0)
+    return tiled_attention_forward(q, k, v, q_positions, scale, window, keep0)
 
 
 def _bmm_entries(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -259,7 +273,7 @@ def elementwise(fn, x: torch.Tensor, multiple: int = 64) -> torch.Tensor:
 
 
 def tiled_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                     scale: float | None) -> torch.Tensor:
+                            scale: float | None, window: int = 0, keep0: bool = False) -> torch.Tensor:
     bsz, heads, t, d = q.shape
     kv_heads, s, dv = k.shape[1], k.shape[2], v.shape[-1]
     groups, g_rows = heads // kv_heads, heads // kv_heads * t
@@ -280,7 +294,10 @@ def tiled_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q
                           keys.expand(*shape, KV_CHUNK, d).reshape(entries, KV_CHUNK, d).transpose(1, 2))
     scores = scores.reshape(*shape, ATTN_ROW_TILE, KV_CHUNK) * scale
     key_pos = torch.arange(n_c * KV_CHUNK, device=q.device).reshape(n_c, 1, KV_CHUNK)
-    scores = scores.masked_fill(key_pos > pos, float("-inf"))
+    hidden = key_pos > pos
+    if window:  # keys before the window (a sink key 0 excepted) add exact zeros, as masked ones do
+        hidden = hidden | ((key_pos <= pos - window) & ~((key_pos == 0) & keep0))
+    scores = scores.masked_fill(hidden, float("-inf"))
     peak = scores.amax(dim=(3, 5), keepdim=True)  # exact: max does not depend on order
     probs = elementwise(torch.exp, scores - peak, multiple=KV_CHUNK)  # fp32: 2 vectors of 16
     partial = _bmm_entries(probs.reshape(entries, ATTN_ROW_TILE, KV_CHUNK),
@@ -309,16 +326,14 @@ def _full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
 def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_positions: torch.Tensor,
                       scale: float | None = None, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
-    """Sinks join as key 0 (:func:`~lockstep.ops.attention.with_sink_key`, positions shifted by one):
-    the trainer's and the generator's calls build it alike, so they still agree bitwise."""
-    if window:
-        raise ValueError("attention backend 'batch_invariant' has no sliding-window attention yet "
-                         "(model.attention.sliding_window); use sdpa or reference")
+    """Sinks join as key 0 (:func:`~lockstep.ops.attention.with_sink_key`, positions shifted by one,
+    key 0 kept visible under a window): the trainer's and the generator's calls build it alike, so
+    they still agree bitwise; a window hides earlier keys as +0 terms (:func:`visible_keys`)."""
     if sinks is not None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         q, k, v = with_sink_key(q, k, v, sinks, scale)
         q_positions = q_positions + 1
-    return chunked_attention(q, k, v, q_positions, scale)
+    return chunked_attention(q, k, v, q_positions, scale, window=window, keep0=sinks is not None)
 
 
 register_attention_backend(BATCH_INVARIANT, forward=_full_attention, cached=_cached_attention)

@@ -45,7 +45,7 @@ def _built(level: str) -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.bi_attention_forward.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float, i64]
+    lib.bi_attention_forward.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float, i64, i64, i64]
     lib.bi_attention_forward.restype = None
     lib.bi_linear.argtypes = [ptr] * 3 + [i64] * 3
     lib.bi_linear.restype = None
@@ -58,9 +58,11 @@ def available() -> bool:
 
 
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                      scale: float, with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, with_lse: bool = False, window: int = 0, keep0: bool = False
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``q [B, H, T, D]``, ``k [B, Hkv, S, D]``, ``v [B, Hkv, S, Dv]``, ``q_positions [B, T]`` ->
-    ``[B, H, T, Dv]`` in q's dtype; query ``(b, t)`` attends keys ``0..q_positions[b, t]``.
+    ``[B, H, T, Dv]`` in q's dtype; query ``(b, t)`` attends keys ``0..q_positions[b, t]`` (with
+    ``window`` > 0 only the last ``window`` of them, and key 0 as well with ``keep0``: a sink key).
     ``with_lse``: also each row's fp32 log-sum-exp of its scaled scores ``[B, H, T]`` (what SDPA's
     flash backward takes)."""
     lib = _library()
@@ -88,7 +90,8 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_posit
     lse = torch.empty(bsz, heads, t, dtype=torch.float32, device=q.device) if with_lse else None
     lib.bi_attention_forward(qf.data_ptr(), kt.data_ptr(), vf.data_ptr(), pos.data_ptr(), out.data_ptr(),
                              lse.data_ptr() if lse is not None else None,
-                             bsz, kv_heads, rows, t, d, s, s_pad, dv, dv_pad, scale, 4 if rows >= 4 else 1)
+                             bsz, kv_heads, rows, t, d, s, s_pad, dv, dv_pad, scale, 4 if rows >= 4 else 1,
+                             int(window), int(keep0))
     out = out.view(bsz, heads, t, dv).to(q.dtype)
     return (out, lse) if with_lse else out
 

@@ -43,10 +43,6 @@ CASES = [(None, 0), ("sinks", 0), (None, 5), ("sinks", 5), ("sinks", 1), ("sinks
 @pytest.mark.parametrize("sink,window", CASES)
 @pytest.mark.parametrize("t,s", [(13, 13), (3, 13)])
 def test_full_forward_matches_eager(backend, sink, window, t, s):
-    if backend == "batch_invariant" and window:
-        with pytest.raises(ValueError, match="sliding_window"):
-            get_attention(backend)(*tensors(t, s)[:3], causal=True, window=window)
-        return
     q, k, v, sinks = tensors(t, s)
     sinks = sinks if sink else None
     extra = {"sinks": sinks} if sink else {}
@@ -61,8 +57,6 @@ def test_full_forward_matches_eager(backend, sink, window, t, s):
 @pytest.mark.parametrize("sink,window", [c for c in CASES if c[0]] + [(None, 4)])
 def test_cached_variant_matches_eager_at_mixed_positions(backend, sink, window):
     """Rows of different lengths in one call; slots past a row's position are padding."""
-    if backend == "batch_invariant" and window:
-        return  # refused, as in the full-forward test
     q, k, v, sinks = tensors(2, 17, seed=1)
     q_pos = torch.tensor([[4, 5], [15, 16]])
     extra = {"sinks": sinks} if sink else {}
@@ -74,7 +68,7 @@ def test_cached_variant_matches_eager_at_mixed_positions(backend, sink, window):
 
 @pytest.mark.parametrize("backend", ["sdpa", "batch_invariant"])
 def test_gradients_match_the_reference(backend):
-    window = 0 if backend == "batch_invariant" else 4
+    window = 4
     grads = {}
     for name in (backend, "reference"):
         q, k, v, sinks = (x.clone().requires_grad_() for x in tensors(11, 11, seed=2))
@@ -87,14 +81,34 @@ def test_gradients_match_the_reference(backend):
     assert grads["reference"][3].abs().min() > 0
 
 
-def test_batch_invariant_sinks_trainer_equals_generator_bitwise():
+@pytest.mark.parametrize("sink,window", [("sinks", 0), (None, 3), ("sinks", 3)])
+def test_batch_invariant_trainer_equals_generator_bitwise(sink, window):
     """A query's output from the full-sequence call (trainer) equals, bit for bit, the one from a
     KV-cache call over a longer padded context with other rows beside it (generator)."""
     q, k, v, sinks = tensors(9, 9, seed=3)
-    full = get_attention("batch_invariant")(q, k, v, causal=True, sinks=sinks)
+    extra = {"sinks": sinks} if sink else {}
+    if window:
+        extra["window"] = window
+    full = get_attention("batch_invariant")(q, k, v, causal=True, **extra)
     pad = torch.randn(B, HKV, 7, D)
     k_ctx, v_ctx = torch.cat([k, pad], 2), torch.cat([v, pad], 2)
     for t in (0, 4, 8):
         step = get_cached_attention("batch_invariant")(q[:, :, t:t + 1], k_ctx, v_ctx,
-                                                       q_positions=torch.full((B, 1), t), sinks=sinks)
+                                                       q_positions=torch.full((B, 1), t), **extra)
         assert torch.equal(step[:, :, 0], full[:, :, t])
+
+
+@pytest.mark.parametrize("keep0", [False, True])
+def test_tiled_fallback_window_matches_eager(keep0):
+    """The no-compiler fallback of the batch-invariant backend honours windows (and a sink key 0)."""
+    from lockstep.ops.attention import with_sink_key
+    from lockstep.ops.batch_invariant import tiled_attention_forward
+
+    q, k, v, sinks = tensors(2, 17, seed=4)
+    q_pos = torch.tensor([[4, 5], [15, 16]])
+    want = eager(q, k, v, sinks if keep0 else None, 4, q_pos)
+    if keep0:
+        q, k, v = with_sink_key(q, k, v, sinks, D ** -0.5)
+        q_pos = q_pos + 1
+    got = tiled_attention_forward(q, k, v, q_pos, D ** -0.5, 4, keep0)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)

@@ -4,7 +4,8 @@
 and lengths (hypothesis draws the batches). (2) The engine's log-probabilities, recorded while it
 samples (mixed prompt lengths, more requests than batch slots so sequences join and leave), equal
 ``score_logprobs`` of the finished sequences. Both with ``torch.equal``, fp32 and bf16, for a dense
-GQA (llama3), a q/k-norm (qwen3), a MoE (qwen3_moe) and an MLA + MoE (deepseek_v3) family. With the
+GQA (llama3), a q/k-norm (qwen3), a MoE (qwen3_moe), an MLA + MoE (deepseek_v3) family and
+GPT-OSS (attention sinks, sliding windows shorter than the sequences). With the
 mode off the same comparisons differ, so these tests can fail. The same comparisons over drawn
 model shapes (and at lower kernel paths) are in ``test_batch_invariant_shapes.py``.
 """
@@ -20,7 +21,7 @@ from lockstep.models.common.transformer import build_model
 from lockstep.recipes import get_recipe
 from lockstep.rl import score_logprobs
 
-FAMILIES = ["debug", "debug-qwen3", "debug-moe", "debug-deepseek"]
+FAMILIES = ["debug", "debug-qwen3", "debug-moe", "debug-deepseek", "debug-gptoss"]
 DTYPES = [torch.float32, torch.bfloat16]
 LENGTHS = [5, 17, 40, 33, 64, 9, 2, 50]
 PROMPTS = [2, 9, 20, 1, 30, 4, 1, 25]

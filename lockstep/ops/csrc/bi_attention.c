@@ -14,7 +14,9 @@
  * Rows are processed RB at a time (register blocking) and keys up to the largest n in the block;
  * a key a row cannot see gets p = +0, and adding +0 (or fma(+0, v, acc) with finite v) leaves an
  * accumulator unchanged bit for bit (accumulators start at +0, so they are never -0), so the block
- * size and its other rows do not matter.
+ * size and its other rows do not matter. A sliding window (window > 0) hides keys j < n - window the
+ * same way (key 0 stays visible with keep0: an attention sink placed there as a key); the row max
+ * starts from the row's first visible key.
  */
 #include <math.h>
 #include <stdint.h>
@@ -55,9 +57,9 @@ static inline void exp_block(const float *restrict x, int live, float *restrict 
 /* One block of RB consecutive rows of one (batch, kv head): q [RB, d], n[r] visible keys,
    kt [d, s_pad], v [s_pad, dv_pad], scores [RB, s_pad] scratch, out [RB, dv], lse [RB] or NULL. */
 static inline __attribute__((always_inline)) void block(
-    const int RB, const float *restrict q, const int64_t *restrict n, const float *restrict kt,
-    const float *restrict v, int64_t d, int64_t s_pad, int64_t dv, int64_t dv_pad, float scale,
-    float *restrict scores, float *restrict out, float *restrict lse) {
+    const int RB, const float *restrict q, const int64_t *restrict n, const int64_t *restrict lo, int keep0,
+    const float *restrict kt, const float *restrict v, int64_t d, int64_t s_pad, int64_t dv, int64_t dv_pad,
+    float scale, float *restrict scores, float *restrict out, float *restrict lse) {
     int64_t n_max = 0;
     for (int r = 0; r < RB; r++) n_max = n[r] > n_max ? n[r] : n_max;
     int64_t n_keys = (n_max + KB - 1) / KB * KB;
@@ -81,12 +83,14 @@ static inline __attribute__((always_inline)) void block(
     for (int r = 0; r < RB; r++) {
         float *restrict s = scores + r * s_pad;
         float lane_max[KB];
-        for (int l = 0; l < KB; l++) lane_max[l] = s[0];
+        const int64_t low = lo[r];
+        for (int l = 0; l < KB; l++) lane_max[l] = s[keep0 ? 0 : low];
         for (int64_t jb = 0; jb < n_keys; jb += KB) {
             int64_t live = n[r] - jb;
             #pragma omp simd
             for (int l = 0; l < KB; l++)
-                lane_max[l] = (l < live && s[jb + l] > lane_max[l]) ? s[jb + l] : lane_max[l];
+                lane_max[l] = (l < live && (jb + l >= low || (keep0 && jb + l == 0)) && s[jb + l] > lane_max[l])
+                                  ? s[jb + l] : lane_max[l];
         }
         float m = lane_max[0]; /* a max is exact in any order */
         for (int l = 1; l < KB; l++) m = lane_max[l] > m ? lane_max[l] : m;
@@ -95,7 +99,7 @@ static inline __attribute__((always_inline)) void block(
         for (int64_t jb = 0; jb < n_keys; jb += KB) {
             float x[KB];
             #pragma omp simd
-            for (int l = 0; l < KB; l++) x[l] = s[jb + l] - m;
+            for (int l = 0; l < KB; l++) x[l] = (jb + l >= low || (keep0 && jb + l == 0)) ? s[jb + l] - m : -100.0f;
             int64_t live = n[r] - jb;
             exp_block(x, live < KB ? (int)live : KB, s + jb);
             #pragma omp simd
@@ -123,26 +127,27 @@ static inline __attribute__((always_inline)) void block(
     }
 }
 
-static void block_1(const float *restrict q, const int64_t *restrict n, const float *restrict kt,
-                    const float *restrict v, int64_t d, int64_t s_pad, int64_t dv, int64_t dv_pad,
-                    float scale, float *restrict scores, float *restrict out, float *restrict lse) {
-    block(1, q, n, kt, v, d, s_pad, dv, dv_pad, scale, scores, out, lse);
+static void block_1(const float *restrict q, const int64_t *restrict n, const int64_t *restrict lo, int keep0,
+                    const float *restrict kt, const float *restrict v, int64_t d, int64_t s_pad, int64_t dv,
+                    int64_t dv_pad, float scale, float *restrict scores, float *restrict out, float *restrict lse) {
+    block(1, q, n, lo, keep0, kt, v, d, s_pad, dv, dv_pad, scale, scores, out, lse);
 }
 
-static void block_4(const float *restrict q, const int64_t *restrict n, const float *restrict kt,
-                    const float *restrict v, int64_t d, int64_t s_pad, int64_t dv, int64_t dv_pad,
-                    float scale, float *restrict scores, float *restrict out, float *restrict lse) {
-    block(4, q, n, kt, v, d, s_pad, dv, dv_pad, scale, scores, out, lse);
+static void block_4(const float *restrict q, const int64_t *restrict n, const int64_t *restrict lo, int keep0,
+                    const float *restrict kt, const float *restrict v, int64_t d, int64_t s_pad, int64_t dv,
+                    int64_t dv_pad, float scale, float *restrict scores, float *restrict out, float *restrict lse) {
+    block(4, q, n, lo, keep0, kt, v, d, s_pad, dv, dv_pad, scale, scores, out, lse);
 }
 
 /* q [B, Hkv, R, D] (row r is query t = r % T), kt [B, Hkv, D, s_pad], v [B, Hkv, s_pad, dv_pad],
    pos [B, T] (row sees keys 0..pos, capped at s), out [B, Hkv, R, dv], lse [B, Hkv, R] or NULL
    (each row's log-sum-exp of its scaled scores, for the backward); all contiguous.
-   rb: rows per block, 1 or 4 (any choice gives the same bits). */
+   rb: rows per block, 1 or 4 (any choice gives the same bits). window > 0: a row sees only keys
+   n - window .. n - 1 of its n (and key 0 too with keep0). */
 void bi_attention_forward(const float *q, const float *kt, const float *v, const int64_t *pos,
                           float *out, float *lse, int64_t b, int64_t hkv, int64_t rows, int64_t t, int64_t d,
                           int64_t s, int64_t s_pad, int64_t dv, int64_t dv_pad, float scale,
-                          int64_t rb) {
+                          int64_t rb, int64_t window, int64_t keep0) {
     int64_t row_blocks = (rows + rb - 1) / rb;
     int64_t items = b * hkv * row_blocks;
 #pragma omp parallel
@@ -151,22 +156,24 @@ void bi_attention_forward(const float *q, const float *kt, const float *v, const
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < items; it++) {
             int64_t bh = it / row_blocks, r0 = (it % row_blocks) * rb, bi = bh / hkv;
-            int64_t n[4];
+            int64_t n[4], lo[4];
             int nr = r0 + rb <= rows ? (int)rb : (int)(rows - r0);
             for (int r = 0; r < nr; r++) {
                 int64_t p = pos[bi * t + (r0 + r) % t] + 1;
                 n[r] = p < 1 ? 1 : (p > s ? s : p);
+                lo[r] = window > 0 && n[r] > window ? n[r] - window : 0;
             }
             const float *q_blk = q + (bh * rows + r0) * d;
             const float *kt_bh = kt + bh * d * s_pad, *v_bh = v + bh * s_pad * dv_pad;
             float *out_blk = out + (bh * rows + r0) * dv;
             float *lse_blk = lse ? lse + bh * rows + r0 : NULL;
             if (nr == 4)
-                block_4(q_blk, n, kt_bh, v_bh, d, s_pad, dv, dv_pad, scale, scores, out_blk, lse_blk);
+                block_4(q_blk, n, lo, (int)keep0, kt_bh, v_bh, d, s_pad, dv, dv_pad, scale, scores, out_blk,
+                        lse_blk);
             else
                 for (int r = 0; r < nr; r++)
-                    block_1(q_blk + r * d, n + r, kt_bh, v_bh, d, s_pad, dv, dv_pad, scale, scores,
-                            out_blk + r * dv, lse_blk ? lse_blk + r : NULL);
+                    block_1(q_blk + r * d, n + r, lo + r, (int)keep0, kt_bh, v_bh, d, s_pad, dv, dv_pad, scale,
+                            scores, out_blk + r * dv, lse_blk ? lse_blk + r : NULL);
         }
         free(scores);
     }
