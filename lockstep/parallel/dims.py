@@ -22,7 +22,8 @@ class ParallelConfig(Config):
     dp_shard: int = -1
     #: tensor-parallel degree (with sequence parallel and loss-parallel cross-entropy)
     tp: int = 1
-    #: expert-parallel degree for MoE layers, taken from the dp_shard ranks (routed experts split over ep)
+    #: expert-parallel degree for MoE layers, taken from the dp_shard ranks (any divisor of dp_shard;
+    #: routed experts split over ep, FSDP-sharded over the other dp_shard / ep, replicated over dp_replicate)
     ep: int = 1
     #: context-parallel degree: each sequence is sharded over cp ranks (causal load balancing)
     cp: int = 1
@@ -70,18 +71,21 @@ class ParallelConfig(Config):
                 f"does not divide the world size {world_size}"
             )
         if self.cp > 1:
-            # cp x tp composes (heads split by tp, the sequence by cp); pp and ep do not yet
+            # cp x tp composes (heads split by tp, the sequence by cp), and ep borrows the cp ranks; not pp yet
             require(self.pp == 1, "parallel.cp", f"context parallel with pipeline parallel (parallel.pp={self.pp}) "
                     f"is not supported yet")
-            require(self.ep == 1, "parallel.cp", f"context parallel with expert parallel (parallel.ep={self.ep}) "
-                    f"is not supported yet")
         dp_shard = world_size // others if self.dp_shard == -1 else self.dp_shard
-        if self.ep > 1:
+        if self.ep > 1 and self.cp > 1:
+            # experts split over (dp_shard x cp): every rank of the group owns its slice whole
+            require(self.tp == 1, "parallel.ep", f"expert parallel spanning cp with tp={self.tp} is not supported yet")
+            require(self.dp_replicate == 1 and self.ep == dp_shard * self.cp, "parallel.ep",
+                    f"with context parallel, ep spans dp_shard x cp and needs ep == dp_shard x cp and "
+                    f"dp_replicate == 1 (experts are left out of FSDP); got ep={self.ep}, dp_shard={dp_shard}, "
+                    f"cp={self.cp}, dp_replicate={self.dp_replicate}")
+        elif self.ep > 1:
             require(dp_shard % self.ep == 0, "parallel.ep", f"{self.ep} must divide dp_shard={dp_shard}")
-            require(self.dp_replicate == 1 and dp_shard == self.ep, "parallel.ep",
-                    f"expert parallel currently needs ep == dp_shard and dp_replicate == 1 "
-                    f"(experts are left out of FSDP); got ep={self.ep}, dp_shard={dp_shard}, "
-                    f"dp_replicate={self.dp_replicate}")
+            # ep borrows ep of the dp_shard ranks; the experts are FSDP-sharded over the other
+            # dp_shard / ep (dp_shard_mod_ep) and replicated over dp_replicate (parallel/fsdp.py)
         dims = ParallelDims(dp_replicate=self.dp_replicate, dp_shard=dp_shard, tp=self.tp, world_size=world_size,
                             ep=self.ep, pp=self.pp, cp=self.cp)
         dims.validate()
@@ -121,7 +125,9 @@ class ParallelDims:
     def mesh_dims(self) -> list[tuple[str, int]]:
         """Named mesh dims. With ep > 1 the dp_shard ranks are split into (dp_shard_mod_ep, ep), ep
         innermost so an expert group is neighbouring ranks; both are kept even at size 1."""
-        if self.ep > 1:
+        if self.ep_spans_cp:  # ep is the flattened (dp_shard, cp): see build_mesh
+            shard = [("dp_shard", self.dp_shard)]
+        elif self.ep > 1:
             shard = [("dp_shard_mod_ep", self.dp_shard // self.ep), ("ep", self.ep)]
         else:
             # with replicas, keep dp_shard even at size 1: FSDP then replicates over dp_replicate
@@ -138,16 +144,33 @@ class ParallelDims:
         """Mesh dims whose ranks read different data."""
         return [n for n, _ in self.mesh_dims if n in ("dp_replicate", "dp_shard", "dp_shard_mod_ep", "ep")]
 
+    @property
+    def ep_spans_cp(self) -> bool:
+        """Expert parallel borrowing the context-parallel ranks: ep = dp_shard x cp."""
+        return self.ep > 1 and self.cp > 1
+
+    @property
+    def ep_data_ranks(self) -> int:
+        """Data-parallel batches an expert's gradient sums over (each rank's loss a mean over its
+        batch; under cp the cp ranks' parts of one batch's mean): ep, or ep / cp when ep spans cp."""
+        return self.ep // self.cp if self.ep_spans_cp else self.ep
+
     def build_mesh(self, device_type: str):
-        """A DeviceMesh with the dims above plus flattened ``dp_shard`` (under ep) and ``dp``; None for world 1."""
+        """A DeviceMesh with the dims above plus flattened ``dp_shard`` (under ep), ``ep`` (under ep
+        spanning cp) and ``dp``; None for world 1."""
         from torch.distributed.device_mesh import init_device_mesh
 
         dims = self.mesh_dims
         if not dims:
             return None
         names = tuple(n for n, _ in dims)
-        mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
-        if self.ep > 1:
+        return self.flatten_mesh(init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names))
+
+    def flatten_mesh(self, mesh):
+        """Add the flattened dims ``build_mesh`` describes to a mesh of ``mesh_dims`` (collective)."""
+        if self.ep_spans_cp:
+            mesh[("dp_shard", "cp")]._flatten("ep")
+        elif self.ep > 1:
             mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
         if len(self.data_dims) > 1:
             mesh[tuple(self.data_dims)]._flatten("dp")

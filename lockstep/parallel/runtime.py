@@ -45,11 +45,7 @@ def _sub_mesh(dims: ParallelDims, ranks: list[int], device_type: str):
         return None
     shape = tuple(d for _, d in dims.mesh_dims)
     mesh = DeviceMesh(device_type, torch.tensor(ranks).view(shape), mesh_dim_names=tuple(names))
-    if dims.ep > 1:
-        mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
-    if len(dims.data_dims) > 1:
-        mesh[tuple(dims.data_dims)]._flatten("dp")
-    return mesh
+    return dims.flatten_mesh(mesh)
 
 
 @dataclasses.dataclass
@@ -286,12 +282,18 @@ class ParallelRuntime:
 
             for p in expert_parameters(model):
                 if p.grad is not None:
-                    p.grad.div_(self.dims.ep)
+                    p.grad.div_(self.dims.ep_data_ranks)
 
     def sync_context_grads(self, model: nn.Module) -> None:
         """cp ranks each backpropagate their share of one sequence's loss: sum their gradients."""
         if self.context is not None:
-            self.context.all_reduce_grads(model.parameters())
+            params = list(model.parameters())
+            if self.dims.ep_spans_cp:  # cp peers own other experts: expert gradients are not summed over cp
+                from lockstep.parallel.expert import expert_parameters
+
+                experts = {id(p) for p in expert_parameters(model)}
+                params = [p for p in params if id(p) not in experts]
+            self.context.all_reduce_grads(params)
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float) -> torch.Tensor:
         if self.pipeline is not None:

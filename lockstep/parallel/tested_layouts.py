@@ -13,7 +13,8 @@ BALANCING = ["--model.feed-forward.bias-update-speed", "0.01", "--model.feed-for
 #: layouts whose parameters after the steps are compared with one process as well as their losses
 PARAMS_CHECKED = {"tp=2 deepseek (MLA, expert TP, MTP)", "tp=2 moe (expert TP)", "tp=2 x ep=2 moe",
                   "tp=2 x ep=2 deepseek", "cp=2 x tp=2 qwen3",
-                  "cp=2 moe (whole-sequence aux loss)", "cp=2 deepseek (MLA, MTP)"}
+                  "cp=2 moe (whole-sequence aux loss)", "cp=2 deepseek (MLA, MTP)",
+                  "ep=4 over dp_shard=2 x cp=2 moe"}
 
 TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("dp_shard=2", "debug", 2, {"dp_shard": 2}, []),
@@ -38,6 +39,9 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     # MoE under cp: every rank's expert-load metrics reach the record; the sequence balance loss and
     # the bias counts are whole-sequence (parallel/context_losses.py): aux losses equal one process
     ("cp=2 moe (whole-sequence aux loss)", "debug-moe", 2, {"cp": 2}, BALANCING),
+    # ep borrows the cp ranks: experts split over dp_shard x cp (ep=4 at world 4), expert gradients
+    # not summed over cp, bias counts over dp x cp, sequence balance loss whole-sequence
+    ("ep=4 over dp_shard=2 x cp=2 moe", "debug-moe", 4, {"dp_shard": 2, "cp": 2, "ep": 4}, BALANCING),
     # MTP under cp: depth k's tokens and targets cross the shard boundary (all-gathered token ids),
     # its loss is the whole-sequence mean (aux losses equal one process)
     ("cp=2 deepseek (MLA, MTP)", "debug-deepseek", 2, {"cp": 2}, []),
@@ -54,9 +58,32 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("pp=2 deepseek (MTP, dense first)", "debug-deepseek", 2, {"pp": 2}, BALANCING),
     ("pp=2 x ep=2 deepseek (MTP)", "debug-deepseek", 4, {"pp": 2, "dp_shard": 2, "ep": 2}, BALANCING),
     ("pp=2 x tp=2 qwen3 (tied)", "debug-qwen3", 4, {"pp": 2, "tp": 2}, []),
+    # EP that borrows part of the data-parallel ranks: experts split over ep=2, FSDP-sharded over the
+    # other dp_shard / ep = 2 (dp_shard_mod_ep), and under HSDP replicated over dp_replicate=2
+    ("dp_shard=4 x ep=2 moe (experts FSDP over dp_shard_mod_ep)", "debug-moe", 4, {"dp_shard": 4, "ep": 2}, []),
+    ("dp_replicate=2 x dp_shard=2 x ep=2 moe (HSDP x EP)", "debug-moe", 4,
+     {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, []),
+    ("dp_replicate=2 x dp_shard=2 x ep=2 deepseek (HSDP x EP, MTP)", "debug-deepseek", 4,
+     {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, BALANCING),
 ]
 PARAMS_CHECKED |= {"pp=2 moe (aux losses)", "pp=2 deepseek (MTP, dense first)", "pp=2 x ep=2 deepseek (MTP)",
                    "pp=2 x tp=2 qwen3 (tied)"}
+PARAMS_CHECKED |= {"dp_shard=4 x ep=2 moe (experts FSDP over dp_shard_mod_ep)",
+                   "dp_replicate=2 x dp_shard=2 x ep=2 moe (HSDP x EP)",
+                   "dp_replicate=2 x dp_shard=2 x ep=2 deepseek (HSDP x EP, MTP)"}
+
+# the new families (#16): Gated DeltaNet hybrids (split / grouped projections, output-gated attention,
+# gated shared expert) and GPT-OSS (sinks, sliding windows, biased clamped-SwiGLU experts)
+TESTED_LAYOUTS += [
+    ("dp_shard=2 qwen3_5", "debug-qwen35", 2, {"dp_shard": 2}, []),
+    ("dp_shard=2 qwen3_next", "debug-qwen3next", 2, {"dp_shard": 2}, []),
+    ("dp_shard=2 gpt_oss", "debug-gptoss", 2, {"dp_shard": 2}, []),
+    ("ep=2 x dp_shard=2 qwen3_5 moe", "debug-qwen35-moe", 2, {"dp_shard": 2, "ep": 2}, []),
+    ("ep=2 x dp_shard=2 gpt_oss", "debug-gptoss", 2, {"dp_shard": 2, "ep": 2}, []),
+    ("dp_replicate=2 x dp_shard=2 qwen3_5 (HSDP)", "debug-qwen35", 4, {"dp_replicate": 2, "dp_shard": 2}, []),
+]
+PARAMS_CHECKED |= {"dp_shard=2 qwen3_5", "dp_shard=2 qwen3_next", "dp_shard=2 gpt_oss", "ep=2 x dp_shard=2 qwen3_5 moe",
+                   "ep=2 x dp_shard=2 gpt_oss", "dp_replicate=2 x dp_shard=2 qwen3_5 (HSDP)"}
 
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")
 

@@ -42,5 +42,18 @@ def test_cp_is_a_mesh_dim_but_not_a_data_dim():
     assert cp_tp.mesh_dims == [("cp", 2), ("tp", 2)] and cp_tp.data_dims == []
     with pytest.raises(ConfigError, match=r"parallel.cp: context parallel with pipeline parallel \(parallel.pp=2\)"):
         ParallelConfig(cp=2, pp=2).resolve(4)
-    with pytest.raises(ConfigError, match=r"parallel.cp: context parallel with expert parallel \(parallel.ep=2\)"):
+    with pytest.raises(ConfigError, match=r"parallel.ep: with context parallel, ep spans dp_shard x cp .* got ep=2, "
+                                          r"dp_shard=2, cp=2"):
         ParallelConfig(cp=2, ep=2, dp_shard=2).resolve(4)
+    with pytest.raises(ConfigError, match=r"parallel.ep: expert parallel spanning cp with tp=2"):
+        ParallelConfig(cp=2, ep=2, tp=2, dp_shard=1).resolve(4)
+
+
+def test_ep_borrows_the_cp_ranks():
+    dims = ParallelConfig(cp=2, ep=4, dp_shard=2).resolve(4)
+    assert dims.ep_spans_cp and dims.ep_data_ranks == 2  # expert grads sum 2 data batches' means
+    assert dims.mesh_dims == [("dp_shard", 2), ("cp", 2)] and dims.data_dims == ["dp_shard"]
+    alone = ParallelConfig(cp=2, ep=2, dp_shard=1).resolve(2)  # ep over the cp ranks only
+    assert alone.mesh_dims == [("dp_shard", 1), ("cp", 2)] and alone.ep_data_ranks == 1
+    assert ParallelConfig(ep=2, dp_shard=2).resolve(2).ep_data_ranks == 2 and not ParallelConfig(
+        ep=2, dp_shard=2).resolve(2).ep_spans_cp
