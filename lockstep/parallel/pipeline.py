@@ -380,6 +380,9 @@ class PipelineRunner:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            elif isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                # a TP embedding's gradient comes back replicated: take this rank's shard (no communication)
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         grads = [p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad for p in params]
         total = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
         if self._shared_group is not None:
