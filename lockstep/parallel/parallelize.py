@@ -27,7 +27,7 @@ from lockstep.models.common.moe import MoE
 from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.expert import apply_expert_parallel, expert_parameters
-from lockstep.parallel.fsdp import apply_fsdp, dp_mesh
+from lockstep.parallel.fsdp import apply_fsdp, dp_mesh, expert_mesh
 from lockstep.parallel.tp_blocks import (check_tp_divides, install_mla_hooks, install_moe_tp, install_mtp_tp, mla_plan, moe_plan,
                                         replicate_auxiliary_losses)
 
@@ -138,14 +138,16 @@ def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: Parall
     _share_expert_counts(model, dims, mesh)
     expert_params: set[nn.Parameter] | None = None
     if dims.ep > 1:
-        # experts split over ep and kept out of FSDP (each ep rank owns its slice whole)
+        # experts split over ep; FSDP over the ranks holding the same experts (dp_shard_mod_ep x
+        # dp_replicate), or kept out of FSDP when there are none (ep == dp_shard: each owns its slice)
         apply_expert_parallel(model, mesh["ep"])
     if dims.tp > 1:  # after ep: expert TP splits each ep rank's experts on their hidden dim
         apply_dense_tp(model, mesh["tp"])
-    if dims.ep > 1:
+    experts_mesh = expert_mesh(mesh, dims)
+    if dims.ep > 1 and experts_mesh is None:
         expert_params = set(expert_parameters(model))
     apply_activation_checkpointing(model, activation_checkpoint)
     if dims.dp > 1:
         apply_fsdp(model, list(model.layers.values()), dp_mesh(mesh, dims), config.fsdp_param_dtype,
-                   config.reshard_after_forward, ignored_params=expert_params)
+                   config.reshard_after_forward, ignored_params=expert_params, experts_mesh=experts_mesh)
     return model

@@ -23,7 +23,7 @@ from torch import nn
 from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.expert import apply_expert_parallel, expert_parameters, moe_layers
-from lockstep.parallel.fsdp import apply_fsdp, dp_mesh
+from lockstep.parallel.fsdp import apply_fsdp, dp_mesh, expert_mesh
 
 
 def stage_parallelizer(dims: ParallelDims, mesh, config: ParallelConfig,
@@ -43,11 +43,12 @@ def stage_parallelizer(dims: ParallelDims, mesh, config: ParallelConfig,
                 apply_dense_tp(part, mesh["tp"])
             if part.mtp is not None:
                 part.residual_mesh = mesh["tp"]
-        ignored = set(expert_parameters(part)) if dims.ep > 1 else None
+        experts_mesh = expert_mesh(mesh, dims)  # experts FSDP over dp_shard_mod_ep (x dp_replicate), or local
+        ignored = set(expert_parameters(part)) if dims.ep > 1 and experts_mesh is None else None
         apply_activation_checkpointing(part, activation_checkpoint)
         if dims.dp > 1:
             apply_fsdp(part, list(part.layers.values()), dp_mesh(mesh, dims), config.fsdp_param_dtype,
-                       config.reshard_after_forward, ignored_params=ignored or None)
+                       config.reshard_after_forward, ignored_params=ignored or None, experts_mesh=experts_mesh)
         return part
 
     return parallelize_stage
