@@ -14,7 +14,7 @@ BALANCING = ["--model.feed-forward.bias-update-speed", "0.01", "--model.feed-for
 PARAMS_CHECKED = {"tp=2 deepseek (MLA, expert TP, MTP)", "tp=2 moe (expert TP)", "tp=2 x ep=2 moe",
                   "tp=2 x ep=2 deepseek", "cp=2 x tp=2 qwen3",
                   "cp=2 moe (whole-sequence aux loss)", "cp=2 deepseek (MLA, MTP)",
-                  "ep=4 over dp_shard=2 x cp=2 moe"}
+                  "ep=4 over dp_shard=2 x cp=2 moe", "cp=2 x tp=2 deepseek (MLA, expert TP, MTP)"}
 
 TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("dp_shard=2", "debug", 2, {"dp_shard": 2}, []),
@@ -47,6 +47,8 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("cp=2 deepseek (MLA, MTP)", "debug-deepseek", 2, {"cp": 2}, []),
     # heads split by tp, the sequence by cp (q/k norms, tied embeddings, loss-parallel CE over cp)
     ("cp=2 x tp=2 qwen3", "debug-qwen3", 4, {"cp": 2, "tp": 2}, []),
+    # MLA heads and each expert's hidden dim split by tp, the sequence (and MTP's shift) by cp
+    ("cp=2 x tp=2 deepseek (MLA, expert TP, MTP)", "debug-deepseek", 4, {"cp": 2, "tp": 2}, []),
     ("pp=2 1F1B", "debug", 2, {"pp": 2}, []),
     ("pp=2 ZBVZeroBubble", "debug", 2, {"pp": 2, "pp_schedule": "ZBVZeroBubble"}, FOUR_LAYERS),
     ("pp=2 x dp_shard=2 Interleaved1F1B", "debug", 4,
