@@ -24,7 +24,9 @@ step and the sequence length may change between steps.
 Install on a model from outside (``ContextParallel.install``): CP becomes the attention wrapper of
 every attention layer (``GroupedQueryAttention``, MLA; :func:`lockstep.ops.attention.set_attention_wrapper`),
 so each layer's own kernel (whatever it resolves to, the batch-invariant one included) runs inside
-CP; ``uninstall`` removes it.
+CP; ``uninstall`` removes it. Distributed, ``install`` also makes the model's auxiliary losses
+whole-sequence (MoE sequence balance loss and bias counts, DeepSeek MTP across the shard boundary:
+:mod:`lockstep.parallel.context_losses`) and refuses recurrent sequence mixers (Gated DeltaNet).
 """
 
 from __future__ import annotations
