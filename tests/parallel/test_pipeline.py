@@ -119,12 +119,6 @@ def test_too_few_layers_names_pp():
         validate_pipeline("Interleaved1F1B", 2, 4, n_layers=2)
 
 
-def test_tied_embeddings_are_refused():
-    cfg = dataclasses.replace(model_config("llama3", "debug"), tie_embeddings=True)
-    with pytest.raises(ValueError, match="tie_embeddings"):
-        split_into_stages(build_model(cfg, seed=0), 2)
-
-
 @pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
 def test_selective_checkpointing_is_refused_under_split_backward(schedule):
     from lockstep.parallel.checkpointing import apply_activation_checkpointing
