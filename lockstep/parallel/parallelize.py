@@ -21,6 +21,8 @@ from torch.distributed.tensor.parallel import (
 
 from lockstep.config.base import ConfigError
 from lockstep.models.common.attention import GroupedQueryAttention
+from lockstep.models.common.gated_attention import GatedAttention
+from lockstep.models.common.gated_deltanet import GatedDeltaNet
 from lockstep.models.common.mla import MultiHeadLatentAttention
 from lockstep.models.common.mlp import SwiGLU
 from lockstep.models.common.moe import MoE
@@ -28,8 +30,8 @@ from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.expert import apply_expert_parallel, expert_parameters
 from lockstep.parallel.fsdp import apply_fsdp, dp_mesh, expert_mesh
-from lockstep.parallel.tp_blocks import (check_tp_divides, install_mla_hooks, install_moe_tp, install_mtp_tp, mla_plan, moe_plan,
-                                        replicate_auxiliary_losses)
+from lockstep.parallel.tp_blocks import (check_tp_divides, gated_deltanet_plan, install_mla_hooks, install_moe_tp,
+                                        install_mtp_tp, mla_plan, moe_plan, replicate_auxiliary_losses, sinks_tp)
 
 
 def apply_dense_tp(model: nn.Module, tp_mesh) -> None:
@@ -66,7 +68,10 @@ def _apply_block_tp(block: nn.Module, tp_mesh, residual_dtensor: bool) -> None:
         plan.update(mla_plan(block))
         plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=local)
         install_mla_hooks(block.attention, tp_mesh)
-    else:
+    elif isinstance(block.attention, GatedDeltaNet):
+        plan.update(gated_deltanet_plan(block, tp_mesh, local))
+    else:  # GQA, output-gated (wq's rows [query | gate] per head) or with GPT-OSS biases and sinks
+        sinks_tp(block.attention, tp_mesh)
         plan.update({
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
             "attention.wq": ColwiseParallel(),
@@ -113,7 +118,7 @@ def _share_expert_counts(model: nn.Module, dims: ParallelDims, mesh) -> None:
 
 
 def _require_tp_blocks(model: nn.Module) -> None:
-    attention = (GroupedQueryAttention, MultiHeadLatentAttention)
+    attention = (GroupedQueryAttention, GatedAttention, GatedDeltaNet, MultiHeadLatentAttention)
     blocks = dict(model.layers.items())
     blocks.update({f"mtp.{k}.block": layer.block for k, layer in (getattr(model, "mtp", None) or {}).items()})
     for name, block in blocks.items():

@@ -83,9 +83,18 @@ TESTED_LAYOUTS += [
     ("ep=2 x dp_shard=2 qwen3_5 moe", "debug-qwen35-moe", 2, {"dp_shard": 2, "ep": 2}, []),
     ("ep=2 x dp_shard=2 gpt_oss", "debug-gptoss", 2, {"dp_shard": 2, "ep": 2}, []),
     ("dp_replicate=2 x dp_shard=2 qwen3_5 (HSDP)", "debug-qwen35", 4, {"dp_replicate": 2, "dp_shard": 2}, []),
+    # tensor parallel (parallel/tp_blocks.py): Gated DeltaNet heads split by whole key-head groups,
+    # output-gated attention, GPT-OSS sinks / q-k-v-o biases / expert biases, the gated shared expert
+    ("tp=2 qwen3_5 (Gated DeltaNet, gated attention)", "debug-qwen35", 2, {"tp": 2}, []),
+    ("tp=2 qwen3_next (grouped projections, expert TP, shared gate)", "debug-qwen3next", 2, {"tp": 2}, []),
+    ("tp=2 gpt_oss (sinks, biases, biased experts)", "debug-gptoss", 2, {"tp": 2}, []),
+    ("tp=2 x ep=2 gpt_oss", "debug-gptoss", 4, {"dp_shard": 2, "ep": 2, "tp": 2}, []),
 ]
 PARAMS_CHECKED |= {"dp_shard=2 qwen3_5", "dp_shard=2 qwen3_next", "dp_shard=2 gpt_oss", "ep=2 x dp_shard=2 qwen3_5 moe",
-                   "ep=2 x dp_shard=2 gpt_oss", "dp_replicate=2 x dp_shard=2 qwen3_5 (HSDP)"}
+                   "ep=2 x dp_shard=2 gpt_oss", "dp_replicate=2 x dp_shard=2 qwen3_5 (HSDP)",
+                   "tp=2 qwen3_5 (Gated DeltaNet, gated attention)",
+                   "tp=2 qwen3_next (grouped projections, expert TP, shared gate)",
+                   "tp=2 gpt_oss (sinks, biases, biased experts)", "tp=2 x ep=2 gpt_oss"}
 
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")
 

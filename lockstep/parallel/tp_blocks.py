@@ -20,6 +20,22 @@ gradients of the tokens and routing weights entering that partial computation. W
 ep exchange runs between the ranks of one tp index (each holding the same hidden slice of its
 experts).
 
+Gated DeltaNet (Qwen3.5 / Qwen3-Next linear attention). Each rank takes whole key-head groups: key
+heads ``[r * Hk/tp, ...)`` and the value heads they serve. Projections laid out per head
+(``in_proj_z``, ``in_proj_b``, ``in_proj_a``, Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``, grouped
+per key head) are column-wise, ``wo`` row-wise, ``A_log`` / ``dt_bias`` sharded with the heads
+(DTensors); the gated RMSNorm's weight, shared by every head, is replicated with its gradient
+summed. Qwen3.5's ``in_proj_qkv`` and the conv channels are ``[q | k | v]``: no contiguous shard
+holds whole heads, so those two weights are held whole on every rank (plain parameters), each
+rank computing only its heads' rows and the gradient summed over tp (:class:`HeadRowsLinear`).
+
+Output-gated attention (Qwen3.5 / Qwen3-Next): ``wq``'s rows are ``[query | gate]`` per head, so
+GQA's column-wise split keeps each head's gate with it. GPT-OSS attention: q/k/v biases column-wise,
+``wo``'s bias added once (row-wise), the sinks sharded with the heads. GPT-OSS experts: ``b1`` /
+``b3`` split on the hidden dim like ``w1`` / ``w3``, ``b2`` added on tp rank 0 only (each rank's
+output is a partial sum) with its gradient summed. Qwen's shared-expert gate is replicated: it
+scales the partial shared output, so its logit's gradient is summed over tp.
+
 MTP (DeepSeek-V3). The MTP layer's inputs (slices of the embeddings and of the final hidden states)
 are gathered; its norms and ``proj`` are replicated; ``proj``'s output is put back on the sequence
 (the MTP block then runs the block plan above, its final norm is sequence parallel and the shared
@@ -29,8 +45,10 @@ slices of it are slices of the whole sequence.
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -41,6 +59,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lockstep.config.base import ConfigError
+from lockstep.models.common.gated_deltanet import GatedDeltaNet
 from lockstep.models.common.mla import MultiHeadLatentAttention
 from lockstep.models.common.moe import MoE
 
@@ -69,9 +88,9 @@ class PartialRowwise(RowwiseParallel):
 def check_tp_divides(model: nn.Module, tp: int) -> None:
     """ConfigError naming the field when tp does not split an MLA or MoE layer evenly."""
     for name, module in model.named_modules():
-        if getattr(module, "sinks", None) is not None:  # per-head parameters the plan does not split
-            raise ConfigError(f"parallel.tp: attention sinks (model.attention.sinks) are not split over tp yet "
-                              f"({name}); use tp=1 with dp_shard/ep")
+        if isinstance(module, GatedDeltaNet) and module.n_k % tp:  # whole key-head groups per rank
+            raise ConfigError(f"parallel.tp: {tp} does not divide model.linear_attention.n_k_heads={module.n_k} "
+                              f"({name})")
         if isinstance(module, MultiHeadLatentAttention) and module.n_heads % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide model.n_heads={module.n_heads} ({name})")
         if isinstance(module, MoE):
@@ -83,10 +102,6 @@ def check_tp_divides(model: nn.Module, tp: int) -> None:
                 raise ConfigError(f"parallel.tp: {tp} does not divide the shared experts' hidden size "
                                   f"{module.shared_experts.w1.out_features} ({name}; model.feed_forward."
                                   f"n_shared_experts x moe_ffn_dim)")
-            for field in ("expert_bias", "shared_expert_gate"):
-                if getattr(cfg, field, False):
-                    raise ConfigError(f"parallel.tp: expert tensor parallelism does not support "
-                                      f"model.feed_forward.{field} yet ({name}); use tp=1 with dp_shard/ep")
 
 
 def mla_plan(block: nn.Module, prefix: str = "attention") -> dict:
@@ -132,7 +147,84 @@ def install_moe_tp(moe: MoE, tp_mesh) -> None:
     from lockstep.parallel.expert import apply_expert_tensor_parallel
 
     apply_expert_tensor_parallel(moe, tp_mesh)
-    moe.tp_region = grad_sum_region(tp_mesh)
+    f = moe.tp_region = grad_sum_region(tp_mesh)
+    experts = moe.experts
+    if experts.b1 is not None:
+        for name in ("b1", "b3"):  # [E, F]: split on the hidden dim like w1 / w3
+            _shard_parameter(experts, name, tp_mesh, dim=1)
+        first = float(tp_mesh.get_local_rank() == 0)  # b2 [E, D] joins one rank's partial sum
+        experts.local_biases = lambda: (_local(experts.b1), _local(experts.b3), f(experts.b2) * first)
+    if moe.shared_expert_gate is not None:  # scales the partial shared output: sum its logit's gradient
+        moe.shared_expert_gate.register_forward_hook(lambda module, args, out: f(out))
+
+
+def sinks_tp(attn: nn.Module, tp_mesh) -> None:
+    """Shard GPT-OSS's per-head sinks with the heads (the q/k/v/o plan is GQA's, biases included)."""
+    if attn.sinks is not None:
+        _shard_parameter(attn, "sinks", tp_mesh, dim=0)
+        attn.local_sinks = lambda: _local(attn.sinks)
+
+
+class HeadRowsLinear(nn.Linear):
+    """A Linear held whole on every tp rank that computes only its rank's output rows (``row_ranges``,
+    half-open): for a fused projection whose rows interleave the heads by type. Its input's and
+    weight's gradients are summed over tp (each rank has those of its own rows)."""
+
+    row_ranges: list[tuple[int, int]]
+    region: object
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.region(x), _rows(self.region(self.weight), self.row_ranges))
+
+
+def gated_deltanet_plan(block: nn.Module, tp_mesh, local_output: bool) -> dict:
+    """The plan of a Gated DeltaNet in ``block.attention`` (see the module docstring); sets the
+    layer's head counts and widths to its rank's and installs the per-head parameters' slices."""
+    attn: GatedDeltaNet = block.attention
+    tp, rank = tp_mesh.size(), tp_mesh.get_local_rank()
+    f = grad_sum_region(tp_mesh)
+    n_k, n_v = attn.n_k // tp, attn.n_v // tp
+    kw, vw = n_k * attn.dk, n_v * attn.dv  # this rank's key / value widths
+    rows = [(rank * kw, (rank + 1) * kw), (attn.key_dim + rank * kw, attn.key_dim + (rank + 1) * kw),
+            (2 * attn.key_dim + rank * vw, 2 * attn.key_dim + (rank + 1) * vw)]  # q | k | v channels
+    plan = {
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+                                        use_local_output=True),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=local_output),
+        # per value head over [B, T, heads, Dv]: the head dim is sharded, the weight shared
+        "attention.norm": PrepareModuleInputOutput(
+            input_layouts=(Shard(2), Shard(2)), desired_input_layouts=(Shard(2), Shard(2)),
+            output_layouts=(Shard(2),), desired_output_layouts=(Shard(2),), use_local_output=True),
+    }
+    names = (["in_proj_qkvz", "in_proj_ba"] if attn.config.projection == "grouped"
+             else ["in_proj_z", "in_proj_b", "in_proj_a"])
+    plan.update({f"attention.{n}": ColwiseParallel() for n in names})
+    if attn.config.projection == "split":
+        attn.in_proj_qkv.__class__ = HeadRowsLinear
+        attn.in_proj_qkv.row_ranges, attn.in_proj_qkv.region = rows, f
+    distribute_module(attn.norm, tp_mesh)  # replicated weight (its gradient reduced over the heads' ranks)
+    for name in ("A_log", "dt_bias"):
+        _shard_parameter(attn, name, tp_mesh, dim=0)
+    attn.local_parameters = lambda: (_rows(f(attn.conv1d.weight), rows), _local(attn.A_log), _local(attn.dt_bias))
+    attn.n_k, attn.n_v, attn.key_dim, attn.value_dim = n_k, n_v, kw, vw
+    attn.conv_dim = 2 * kw + vw
+    return plan
+
+
+def _rows(w: torch.Tensor, ranges: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.cat([w[lo:hi] for lo, hi in ranges])
+
+
+def _shard_parameter(module: nn.Module, name: str, tp_mesh, dim: int) -> None:
+    """Replace a parameter every tp rank holds whole by its chunk ``rank`` on ``dim`` as a DTensor."""
+    p = getattr(module, name)
+    local = p.detach().chunk(tp_mesh.size(), dim=dim)[tp_mesh.get_local_rank()].clone()
+    setattr(module, name, nn.Parameter(DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False),
+                                       requires_grad=p.requires_grad))
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def install_mtp_tp(layer: nn.Module, tp_mesh) -> None:

@@ -85,6 +85,11 @@ class GroupedQueryAttention(AttentionLayer):
         if self.sinks is not None:
             nn.init.zeros_(self.sinks)
 
+    def local_sinks(self) -> torch.Tensor | None:
+        """The sinks of the heads this process computes: all of them here; a tensor-parallel plan
+        (:mod:`lockstep.parallel.tp_blocks`) replaces this on the instance to give its rank's heads."""
+        return self.sinks
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: Any = None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]; ``cache``: a layer cache (``attend(q, k, v, backend=, scale=)``)."""
         bsz, seq, _ = x.shape
@@ -98,8 +103,8 @@ class GroupedQueryAttention(AttentionLayer):
         cos, sin = rope
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is None:
-            out = self.full_attention(q, k, v, causal=True, sinks=self.sinks, window=self.window)
+            out = self.full_attention(q, k, v, causal=True, sinks=self.local_sinks(), window=self.window)
         else:
             out = cache.attend(q, k, v, backend=self.active_backend, scale=None,
-                               **sink_window_kwargs(self.sinks, self.window))
+                               **sink_window_kwargs(self.local_sinks(), self.window))
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

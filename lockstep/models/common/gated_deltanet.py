@@ -132,6 +132,12 @@ class GatedDeltaNet(nn.Module):
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0.01, 16).log())
 
+    def local_parameters(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(conv1d weight, A_log, dt_bias)`` of the heads this process computes: all of them here; a
+        tensor-parallel plan (:mod:`lockstep.parallel.tp_blocks`) replaces this on the instance to give
+        its rank's heads (and sets the head counts and widths above to its rank's)."""
+        return self.conv1d.weight, self.A_log, self.dt_bias
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> ``qkv [B, T, conv_dim]``, ``z [B, T, Hv, Dv]``, ``b, a [B, T, Hv]``."""
         bsz, seq, _ = x.shape
@@ -151,8 +157,8 @@ class GatedDeltaNet(nn.Module):
         (:mod:`lockstep.generate.recurrent`)."""
         return (self.conv_dim, self.config.conv_kernel - 1), (self.n_v, self.dk, self.dv)
 
-    def _conv(self, qkv: torch.Tensor, window: torch.Tensor | None, lengths: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _conv(self, qkv: torch.Tensor, window: torch.Tensor | None, lengths: torch.Tensor | None,
+              weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Causal depthwise conv + SiLU over time; ``window [B, C, K-1]`` holds the inputs before
         ``qkv`` (zeros at a sequence start). Returns the output ``[B, T, C]`` and the window after
         each row's last real token (``lengths``; all ``T`` when None)."""
@@ -163,13 +169,13 @@ class GatedDeltaNet(nn.Module):
         else:
             x = torch.cat([window.to(x.dtype), x], dim=-1)
         if numerics.is_batch_invariant():  # taps summed in a fixed order, elementwise: no conv kernel choice
-            seq, w = x.shape[-1] - (k - 1), self.conv1d.weight[:, 0].to(x.dtype)
+            seq, w = x.shape[-1] - (k - 1), weight[:, 0].to(x.dtype)
             conv = x[:, :, :seq] * w[:, :1]
             for j in range(1, k):
                 conv = conv + x[:, :, j:j + seq] * w[:, j:j + 1]
             out = numerics.rowwise(F.silu, conv.transpose(1, 2))
         else:
-            out = F.silu(F.conv1d(x, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)
+            out = F.silu(F.conv1d(x, weight, groups=self.conv_dim)).transpose(1, 2)
         if lengths is None:
             return out, x[:, :, x.shape[-1] - (k - 1):]
         index = (lengths[:, None] + torch.arange(k - 1, device=x.device))[:, None].expand(-1, x.shape[1], -1)
@@ -181,7 +187,8 @@ class GatedDeltaNet(nn.Module):
         qkv, z, b, a = self._project(x)
         window, state = cache.recurrent_state() if cache is not None else (None, None)
         lengths = cache.valid_lengths() if cache is not None else None
-        mixed, next_window = self._conv(qkv, window, lengths)
+        conv_weight, A_log, dt_bias = self.local_parameters()
+        mixed, next_window = self._conv(qkv, window, lengths, conv_weight)
         q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = _l2(q.reshape(bsz, seq, self.n_k, self.dk).float(), invariant)
         k = _l2(k.reshape(bsz, seq, self.n_k, self.dk).float(), invariant)
@@ -190,7 +197,7 @@ class GatedDeltaNet(nn.Module):
             q = q.repeat_interleave(self.n_v // self.n_k, dim=2)
             k = k.repeat_interleave(self.n_v // self.n_k, dim=2)
         beta = numerics.rowwise(torch.sigmoid, b)
-        g = -numerics.rowwise(torch.exp, self.A_log.float()) * numerics.rowwise(F.softplus, a.float() + self.dt_bias)
+        g = -numerics.rowwise(torch.exp, A_log.float()) * numerics.rowwise(F.softplus, a.float() + dt_bias)
         if lengths is not None:  # right padding of a batched prefill: no decay, no write
             real = torch.arange(seq, device=x.device)[None] < lengths[:, None]
             g, beta = g * real[..., None], beta * real[..., None]

@@ -212,6 +212,12 @@ class GroupedExperts(nn.Module):
         returns its local shards of the hidden dim)."""
         return self.w1, self.w2, self.w3
 
+    def local_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(b1, b3, b2)`` as this process adds them (None without biases); an expert-tensor-parallel
+        plan (:mod:`lockstep.parallel.tp_blocks`) replaces this on the instance: its hidden-dim shard of
+        b1 / b3, and b2 on one rank only (each rank's output is a partial sum)."""
+        return self.b1, self.b3, self.b2
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x [N, D]`` sorted by expert, ``counts [E]`` tokens per expert -> ``[N, D]``."""
         if numerics.is_batch_invariant():  # each expert's rows in fixed tiles (lockstep.ops.batch_invariant)
@@ -233,13 +239,15 @@ class GroupedExperts(nn.Module):
             return _contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs))
         expert = torch.repeat_interleave(torch.arange(self.n_experts, device=x.device), counts,
                                          output_size=x.shape[0])  # each row's expert
-        gate, up = gate + self.b1.to(dtype)[expert], up + self.b3.to(dtype)[expert]
+        b1, b3, b2 = self.local_biases()
+        gate, up = gate + b1.to(dtype)[expert], up + b3.to(dtype)[expert]
         out = _contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs))
-        return out + self.b2.to(dtype)[expert]
+        return out + b2.to(dtype)[expert]
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor, linear=F.linear) -> torch.Tensor:
         outs = []
         w1, w2, w3 = self.local_weights()
+        b1, b3, b2 = self.local_biases()
         for e, chunk in enumerate(x.split(counts.tolist())):
             if not chunk.shape[0]:
                 continue
@@ -247,7 +255,7 @@ class GroupedExperts(nn.Module):
             if self.b1 is None:
                 outs.append(linear(self._act(gate, up), w2[e]))
             else:
-                outs.append(linear(self._act(gate + self.b1[e], up + self.b3[e]), w2[e]) + self.b2[e])
+                outs.append(linear(self._act(gate + b1[e], up + b3[e]), w2[e]) + b2[e])
         return torch.cat(outs) if outs else x.new_zeros(0, self.dim)
 
 
