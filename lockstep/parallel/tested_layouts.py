@@ -60,6 +60,9 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("pp=2 deepseek (MTP, dense first)", "debug-deepseek", 2, {"pp": 2}, BALANCING),
     ("pp=2 x ep=2 deepseek (MTP)", "debug-deepseek", 4, {"pp": 2, "dp_shard": 2, "ep": 2}, BALANCING),
     ("pp=2 x tp=2 qwen3 (tied)", "debug-qwen3", 4, {"pp": 2, "tp": 2}, []),
+    # V placement: rank 0 holds the first and the last stage (MTP's embedding copy summed locally)
+    ("pp=2 ZBVZeroBubble deepseek (MTP)", "debug-deepseek", 2, {"pp": 2, "pp_schedule": "ZBVZeroBubble"},
+     FOUR_LAYERS + BALANCING),
     # EP that borrows part of the data-parallel ranks: experts split over ep=2, FSDP-sharded over the
     # other dp_shard / ep = 2 (dp_shard_mod_ep), and under HSDP replicated over dp_replicate=2
     ("dp_shard=4 x ep=2 moe (experts FSDP over dp_shard_mod_ep)", "debug-moe", 4, {"dp_shard": 4, "ep": 2}, []),
@@ -69,7 +72,7 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
      {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, BALANCING),
 ]
 PARAMS_CHECKED |= {"pp=2 moe (aux losses)", "pp=2 deepseek (MTP, dense first)", "pp=2 x ep=2 deepseek (MTP)",
-                   "pp=2 x tp=2 qwen3 (tied)"}
+                   "pp=2 x tp=2 qwen3 (tied)", "pp=2 ZBVZeroBubble deepseek (MTP)"}
 PARAMS_CHECKED |= {"dp_shard=4 x ep=2 moe (experts FSDP over dp_shard_mod_ep)",
                    "dp_replicate=2 x dp_shard=2 x ep=2 moe (HSDP x EP)",
                    "dp_replicate=2 x dp_shard=2 x ep=2 deepseek (HSDP x EP, MTP)"}
