@@ -56,7 +56,8 @@ def test_deepseek_v3_671b_on_256_ranks(dsv3):
     cfg, model = dsv3
     plan = build_plan(cfg, Layout(world=256, pp=8, ep=32, dp_shard=32), seq_len=4096, model=model)
     assert plan.total_params > 670e9
-    assert [len(s.layers) for s in plan.stages] == [len(r) for r in layer_ranges(61, 8)] == [8] * 5 + [7] * 3
+    assert [s.layers for s in plan.stages] == [[r] for r in layer_ranges(61, 8)]
+    assert [len(r) for r in layer_ranges(61, 8)] == [8] * 5 + [7] * 3
     for s in plan.stages:
         assert 0 < s.param_bytes < 64 * 2**30 and s.activation_bytes > 0 and math.isfinite(s.total_bytes)
     # each rank holds 256 / 32 = 8 routed experts per MoE layer, unsharded by FSDP (dp_shard / ep = 1)
@@ -67,8 +68,10 @@ def test_deepseek_v3_671b_on_256_ranks(dsv3):
     assert _all_finite(d)
     ops = {c.op for c in plan.worst.collectives}
     assert {"all-gather", "reduce-scatter", "all-to-all", "send", "recv"} <= ops
-    # every parameter element is held exactly once across the 256 ranks
-    assert _rank_sum(plan) == plan.total_params
+    # every parameter element is held exactly once across the 256 ranks, but the embedding, which the
+    # last stage copies for the MTP head
+    assert _rank_sum(plan, unique=True) == plan.total_params
+    assert _rank_sum(plan) == plan.total_params + cfg.vocab_size * cfg.dim
 
 
 @pytest.mark.parametrize("family, flavor, layout", [
@@ -76,35 +79,41 @@ def test_deepseek_v3_671b_on_256_ranks(dsv3):
     ("qwen3_moe", "debug", Layout(world=16, pp=2, dp_shard=4, tp=2, ep=2)),
     ("deepseek_v3", "debug", Layout(world=24, pp=3, dp_shard=8, ep=4)),
     ("qwen3", "debug", Layout(world=6, dp_shard=3, tp=2)),  # uneven FSDP pieces, tied embeddings
+    ("qwen3", "debug", Layout(world=8, pp=2, dp_shard=2, tp=2)),  # tied head: the last stage's embedding copy
+    ("deepseek_v3", "debug", Layout(world=8, pp=2, dp_replicate=2, dp_shard=2, ep=2)),  # HSDP x EP, MTP copy
+    ("qwen3", "debug", Layout(world=8, cp=2, dp_shard=2, tp=2)),  # cp replicates the parameters
+    ("qwen3_moe", "debug", Layout(world=8, cp=2, dp_shard=4, ep=8)),  # ep spans dp_shard x cp: experts whole
 ])
 def test_rank_totals_add_up_to_the_model(family, flavor, layout):
     cfg = model_config(family, flavor)
-    if layout.pp > 1:
-        cfg = cfg.replace(tie_embeddings=False)  # lockstep's pipeline refuses tied embeddings
     plan = build_plan(cfg, layout, seq_len=64, batch_size=layout.resolve().dp * max(layout.pp, 1))
     L = plan.layout
     # counted once each, the pieces of all ranks are exactly the model
     assert _rank_sum(plan, unique=True) == plan.total_params
-    # as held: every HSDP replica holds a copy, every TP rank a copy of the TP-replicated parameters
-    replicated = sum(p.numel for p in plan.params if p.tp_dim is None)
-    assert _rank_sum(plan) == L.dp_replicate * (plan.total_params + (L.tp - 1) * replicated)
+    # as held: every HSDP replica and cp rank holds a copy (not of experts that ep splits over cp), every
+    # TP rank a copy of the TP-replicated parameters, the last stage a copy of the embedding (MTP, tied head)
+    held = sum(p.numel * L.dp_replicate * (1 if p.ep > 1 and L.ep_spans_cp else L.cp) * (L.tp if p.tp_dim is None else 1)
+               for p in plan.params)
+    assert _rank_sum(plan) == held
+    copies = [p for p in plan.params if p.kind == "embedding_copy"]
+    assert len(copies) == (1 if L.pp > 1 and (cfg.tie_embeddings or getattr(cfg, "n_mtp", 0)) else 0)
     # the padded per-rank numbers never undercount the exact pieces
     for s in plan.stages:
         assert s.param_numel >= s.param_numel_exact
 
 
 @pytest.mark.parametrize("kwargs, layout, match", [
-    ({}, Layout(world=256, pp=8, dp_shard=16), r"--world: pp=8 x dp_replicate=1 x dp_shard=16 x tp=1 = 128"),
+    ({}, Layout(world=256, pp=8, dp_shard=16), r"--world: pp=8 x dp_replicate=1 x dp_shard=16 x cp=1 x tp=1 = 128"),
     ({}, Layout(world=250, pp=8), r"--world: 250 is not divisible by pp=8"),
     ({}, Layout(world=256, pp=8, ep=3), r"--ep: 3 does not divide --dp-shard=32"),
     ({}, Layout(world=256, pp=8, ep=64, dp_shard=32), r"--ep: 64 does not divide --dp-shard=32"),
     ({}, Layout(world=8, tp=0), r"--tp: must be >= 1"),
     ({}, Layout(world=8, dp_shard=0), r"--dp-shard: must be >= 1 or -1"),
-    ({}, Layout(world=256, pp=64, dp_shard=4), r"--pp: 64 stages need at least one layer each; the model has 61"),
+    ({}, Layout(world=256, pp=64, dp_shard=4), r"--pp: 61 layers cannot be split into 64 pipeline stages"),
     ({"batch_size": 100}, Layout(world=256, pp=8), r"--batch-size: 100 is not a positive multiple of the 32"),
-    ({"microbatches": 4, "batch_size": 256}, Layout(world=256, pp=8), r"--microbatches: 1F1B needs at least pp=8"),
+    ({"microbatches": 4, "batch_size": 256}, Layout(world=256, pp=8), r"--microbatches: .*1F1B needs n_microbatches >= pp = 8"),
     ({"seq_len": 10**6}, Layout(world=256, pp=8), r"--seq-len: 1000000 exceeds model.max_seq_len"),
-    ({}, Layout(world=256, pp=8, tp=3, dp_shard=-1), r"--world: 256 is not divisible by pp=8 x dp_replicate=1 x tp=3"),
+    ({}, Layout(world=256, pp=8, tp=3, dp_shard=-1), r"--world: 256 is not divisible by pp=8 x dp_replicate=1 x cp=1 x tp=3"),
     ({}, Layout(world=48, pp=2, tp=3, dp_shard=8), r"--tp: 3 does not divide model.n_heads=128"),
 ])
 def test_invalid_degrees_name_the_degree(dsv3, kwargs, layout, match):
@@ -121,9 +130,11 @@ def test_model_specific_degree_errors():
         build_plan(model_config("qwen3_moe", "debug"), Layout(world=16, ep=16), seq_len=64)
     with pytest.raises(ConfigError, match=r"--tp: 4 does not divide model.n_kv_heads=2"):
         build_plan(model_config("llama3", "debug"), Layout(world=4, tp=4), seq_len=64)
-    with pytest.raises(ConfigError, match=r"--pp: tied embeddings"):
-        build_plan(model_config("qwen3", "debug"), Layout(world=2, pp=2), seq_len=64)
-    with pytest.raises(ConfigError, match=r"--pp: 3 stages need at least one layer each; the model has 2"):
+    with pytest.raises(ConfigError, match=r"--cp: --seq-len=66 must be divisible by 2 x cp = 4"):
+        build_plan(model_config("llama3", "debug"), Layout(world=2, cp=2), seq_len=66)
+    with pytest.raises(ConfigError, match=r"--ep: 4 does not divide --dp-shard=2 and is not dp_shard x cp = 8"):
+        build_plan(model_config("qwen3_moe", "debug"), Layout(world=8, cp=4, ep=4), seq_len=64)
+    with pytest.raises(ConfigError, match=r"--pp: 2 layers cannot be split into 3 pipeline stages"):
         build_plan(model_config("llama3", "debug"), Layout(world=3, pp=3), seq_len=64)
 
 
@@ -158,8 +169,8 @@ def test_cmd_plan_json(capsys):
     assert cmd_plan(["--family", "qwen3_moe", "--flavor", "debug", "--world", "8", "--ep", "2", "--tp", "2",
                      "--seq-len", "64", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["layout"] == {"world": 8, "pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2, "ep": 2, "dp": 4,
-                             "expert_fsdp": 2}
+    assert out["layout"] == {"world": 8, "pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 2, "ep": 2, "cp": 1, "dp": 4,
+                             "expert_fsdp": 2, "ep_spans_cp": False, "cp_method": "allgather"}
     assert out["worst_stage"]["collectives"] and out["worst_stage"]["param_bytes"] > 0
     assert cmd_plan(["--recipe", "debug", "--world", "4"]) == 0
     assert "llama3 debug on 4 ranks" in capsys.readouterr().out
@@ -185,7 +196,9 @@ def test_verify_fsdp_deepseek_v3_671b_on_256_ranks(dsv3):
     assert result["n_params"] == len(plan.worst.params) == result["n_match"]
     assert result["local_numel"] == result["plan_numel"] == plan.rank_param_numel(result["rank"])
     w1 = next(e for e in result["examples"] if e["name"].endswith("experts.w1"))
-    assert w1["local_shape"] == [8, 2048, 7168] and w1["mesh"] == ["dp_shard_mod_ep", "ep"]
+    # lockstep's own stage parallelizer: the rank's 8 experts are local tensors, kept out of FSDP
+    assert w1["local_shape"] == [8, 2048, 7168]
+    assert result["path"] == "lockstep ParallelDims.build_mesh + split_into_stages + stage_parallelizer"
 
 
 def test_verify_fsdp_expert_parallel_matches_the_plan():

@@ -8,10 +8,12 @@ MoE selection biases: never sharded), the FSDP transient and activations
 
     per block ~ tokens_mb x (sum of saved widths) x bytes / tp     (k = saved bytes / dim is printed)
 
-The last stage adds the logits (``tokens_mb x vocab / tp x (compute + 4 fp32) bytes``). A stage
-holds the activations of the micro-batches in flight: 1 without PP, ``min(M, pp - stage)`` for
-1F1B, ``M`` for GPipe. The report shows every stage and details the worst one (largest memory),
-with its collectives (:mod:`lockstep.parallel.plan.collectives`).
+The last stage adds the logits (``tokens_mb x vocab / tp x (compute + 4 fp32) bytes``); under cp
+``tokens_mb`` is the rank's ``seq / cp`` share. A pipeline *rank* (``StagePlan``) holds one stage, or
+two under Interleaved1F1B / ZBV / DualPipeV; stage ``s`` of ``n`` keeps the activations of
+``min(M, n - s)`` micro-batches (1F1B over the stages), GPipe of all ``M``, no PP of 1. The pipeline
+bubble is :func:`pipeline_bubble`. The report shows every pipeline rank and details the worst one
+(largest memory), with its collectives (:mod:`lockstep.parallel.plan.collectives`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from lockstep.models.common.transformer import build_meta_model
 from lockstep.parallel.plan.collectives import Collective, step_collectives
 from lockstep.parallel.plan.report import format_plan
 from lockstep.parallel.plan.layout import (AC_MODES, DTYPE_BYTES, SCHEDULES, Layout, ParamPlacement, flag_error,
-                                           ffn_is_moe, parse_dtype, place_parameters)
+                                           ffn_is_moe, parse_dtype, place_parameters, stage_layout)
 from lockstep.parallel.plan.memory import fsdp_transient_bytes, fsdp_units, block_activation_bytes
 
 if TYPE_CHECKING:
@@ -39,8 +41,8 @@ if TYPE_CHECKING:
 class StagePlan:
     """Per-rank memory of one pipeline stage (the rank with dp/ep/tp index 0: the largest shard)."""
 
-    stage: int
-    layers: range
+    stage: int  # the pipeline rank
+    layers: list[range]  # the layers of each stage this rank holds
     params: list[ParamPlacement]
     param_numel: int  # padded local elements
     param_numel_exact: int  # exact local elements of the index-0 rank
@@ -64,7 +66,7 @@ class StagePlan:
         return sum(c.traffic_per_step for c in self.collectives)
 
     def to_dict(self, with_collectives: bool = True) -> dict[str, Any]:
-        out = {"stage": self.stage, "layers": [self.layers.start, self.layers.stop],
+        out = {"stage": self.stage, "layers": [[r.start, r.stop] for r in self.layers],
                "n_params": len(self.params), "param_numel_padded": self.param_numel,
                "param_numel_exact": self.param_numel_exact, "param_bytes": self.param_bytes,
                "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
@@ -94,6 +96,9 @@ class Plan:
     activation_checkpoint: str
     pp_schedule: str
     reshard_after_forward: str
+    cp_method: str
+    bubble: dict[str, Any]
+    pp_split: str
     total_params: int
     active_params: int | None
     params: list[ParamPlacement]
@@ -122,9 +127,10 @@ class Plan:
             return 0
         total = 0
         for p in self.stages[c["pp"]].params:
-            if unique and p.tp_dim is None and c["tp"]:
+            if unique and ((p.tp_dim is None and c["tp"]) or p.kind == "embedding_copy"
+                           or (c["cp"] and not (p.ep > 1 and self.layout.ep_spans_cp))):
                 continue
-            total += p.local_numel(c["dp_shard_mod_ep"] if p.ep > 1 else c["dp_shard"])
+            total += p.local_numel(_fsdp_index(p, c, self.layout))
         return total
 
     def rank_param_bytes(self, rank: int) -> int:
@@ -136,11 +142,13 @@ class Plan:
             "model": {"family": self.family, "flavor": self.flavor, "params": self.total_params,
                       "active_params_per_token": self.active_params,
                       "param_bytes": self.total_params * DTYPE_BYTES[self.param_dtype]},
-            "layout": dataclasses.asdict(L) | {"dp": L.dp, "expert_fsdp": L.expert_fsdp},
+            "layout": dataclasses.asdict(L) | {"dp": L.dp, "expert_fsdp": L.expert_fsdp, "ep_spans_cp": L.ep_spans_cp,
+                                               "cp_method": self.cp_method},
             "batch": {"seq_len": self.seq_len, "global_batch": self.batch_size,
                       "tokens_per_step": self.batch_size * self.seq_len,
                       "per_dp_rank": self.batch_size // L.dp, "microbatches": self.microbatches,
-                      "microbatch_size": self.microbatch_size, "pp_schedule": self.pp_schedule},
+                      "microbatch_size": self.microbatch_size, "pp_schedule": self.pp_schedule,
+                      "pipeline_bubble": self.bubble},
             "dtypes": {"param": self.param_dtype, "grad": self.grad_dtype, "compute": self.compute_dtype,
                        "optimizer_bytes_per_param": self.optimizer_bytes_per_param,
                        "master_weights": self.master_weights and self.param_dtype == "bf16"},
@@ -157,24 +165,71 @@ class Plan:
         return format_plan(self)
 
 
-def _microbatches(layout: Layout, batch: int, microbatches: int | None, schedule: str) -> int:
+def _fsdp_index(p: ParamPlacement, coords: dict[str, int], layout: Layout) -> int:
+    """The FSDP index of the rank at ``coords`` for parameter ``p``."""
+    if p.ep > 1:
+        return 0 if layout.ep_spans_cp else coords["dp_shard_mod_ep"]
+    return coords["dp_shard"]
+
+
+def _microbatches(layout: Layout, batch: int, microbatches: int | None, schedule: str, n_layers: int) -> int:
+    """Micro-batches per step (default: the fewest the schedule accepts that divide the local batch),
+    checked by the runner's own :func:`validate_pipeline`."""
+    from lockstep.parallel.pipeline import stages_per_rank, validate_pipeline
+
     local = batch // layout.dp
+    if layout.pp == 1:
+        if microbatches is not None and (microbatches < 1 or local % microbatches):
+            flag_error("--microbatches", f"{microbatches} does not divide the {local} sequences per data-parallel rank")
+        return microbatches or 1
     if microbatches is None:
-        if layout.pp == 1:
-            return 1
-        if local % layout.pp == 0:
-            return layout.pp
-        if local >= layout.pp or schedule == "GPipe":
-            return local
-        flag_error("--batch-size", f"{batch} gives {local} sequence(s) per data-parallel rank, fewer than the "
-                   f"pp={layout.pp} micro-batches 1F1B needs: use at least {layout.pp * layout.dp}")
+        need = layout.pp * stages_per_rank(schedule)  # the trainer's default (pp x stages per rank)
+        candidates = [need] + [m for m in range(local, 0, -1) if local % m == 0]
+        for m in candidates:
+            try:
+                validate_pipeline(schedule, layout.pp, m, None, local)
+            except ValueError:
+                continue
+            microbatches = m
+            break
+        else:
+            flag_error("--batch-size", f"{batch} gives {local} sequence(s) per data-parallel rank: no micro-batch "
+                       f"count {schedule} accepts at pp={layout.pp} divides it (the default is {need})")
     if microbatches < 1:
         flag_error("--microbatches", f"must be >= 1, got {microbatches}")
-    if local % microbatches:
-        flag_error("--microbatches", f"{microbatches} does not divide the {local} sequences per data-parallel rank")
-    if schedule == "1F1B" and layout.pp > 1 and microbatches < layout.pp:
-        flag_error("--microbatches", f"1F1B needs at least pp={layout.pp} micro-batches, got {microbatches}")
+    try:
+        validate_pipeline(schedule, layout.pp, microbatches, n_layers, local)
+    except ValueError as err:
+        flag_error("--microbatches" if "n_microbatches" in str(err) else "--pp", str(err).removeprefix("pp: "))
     return microbatches
+
+
+def pipeline_bubble(schedule: str, pp: int, microbatches: int) -> dict[str, Any]:
+    """Idle fraction of a pipeline step under ``schedule``, with the time model it assumes.
+
+    Times per micro-batch and stage: forward F, backward B (input grads) + W (weight grads), taken
+    equal (F = B = W, so a full backward is 2F). GPipe / 1F1B: ``(pp-1)(F+B+W)`` idle against
+    ``M(F+B+W)`` busy; Interleaved1F1B with v stages per rank: the same idle against ``vM`` busy
+    stage slots; ZBV (zero-bubble V) idles ``(pp-1)(F+B-2W)`` and DualPipeV ``(pp-1)(F&B+B-3W)``
+    with F&B = F+B (no compute overlap): 0 under F = B = W.
+    """
+    from lockstep.parallel.pipeline import stages_per_rank
+
+    if pp == 1:
+        return {"fraction": 0.0, "formula": "no pipeline", "assumes": ""}
+    v = stages_per_rank(schedule)
+    F = B = W = 1.0
+    busy = microbatches * v * (F + B + W)
+    if schedule in ("GPipe", "1F1B"):
+        idle, formula = (pp - 1) * (F + B + W), "(pp-1) / (M + pp-1)"
+    elif schedule == "Interleaved1F1B":
+        idle, formula = (pp - 1) * (F + B + W), f"(pp-1) / (v*M + pp-1), v={v}"
+    elif schedule == "ZBVZeroBubble":
+        idle, formula = (pp - 1) * (F + B - 2 * W), "(pp-1)(F+B-2W) idle, 0 at F=B=W"
+    else:  # DualPipeV
+        idle, formula = (pp - 1) * ((F + B) + B - 3 * W), "(pp-1)(F&B+B-3W) idle, 0 at F=B=W and F&B=F+B"
+    return {"fraction": idle / (busy + idle), "formula": formula,
+            "assumes": "per-stage times F = B = W (backward = 2 x forward, split into input and weight grads)"}
 
 
 def _validate_model(model: nn.Module, layout: Layout, seq_len: int) -> None:
@@ -182,9 +237,6 @@ def _validate_model(model: nn.Module, layout: Layout, seq_len: int) -> None:
     n_layers = len(model.layers)
     if layout.pp > n_layers:
         flag_error("--pp", f"{layout.pp} stages need at least one layer each; the model has {n_layers} layers")
-    if layout.pp > 1 and cfg.tie_embeddings:
-        flag_error("--pp", "tied embeddings (model.tie_embeddings) put one weight on the first and the last stage; "
-                   "lockstep's pipeline refuses them: untie them or use pp=1")
     if layout.tp > 1:
         att = model.layers[next(iter(model.layers))].attention
         heads = [("model.n_heads", cfg.n_heads)]
@@ -194,9 +246,12 @@ def _validate_model(model: nn.Module, layout: Layout, seq_len: int) -> None:
         for name, value in heads:
             if value % layout.tp:
                 flag_error("--tp", f"{layout.tp} does not divide {name}={value}")
-        if seq_len % layout.tp:
-            flag_error("--tp", f"{layout.tp} does not divide --seq-len={seq_len} "
+        if seq_len % (layout.tp * layout.cp):
+            flag_error("--tp", f"{layout.tp} does not divide --seq-len={seq_len} / cp={layout.cp} "
                        "(sequence parallel splits the sequence)")
+    if layout.cp > 1 and seq_len % (2 * layout.cp):
+        flag_error("--cp", f"--seq-len={seq_len} must be divisible by 2 x cp = {2 * layout.cp} "
+                   "(causal load balancing: chunks r and 2cp-1-r)")
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if layout.ep > 1:
         if not moes:
@@ -209,8 +264,8 @@ def _validate_model(model: nn.Module, layout: Layout, seq_len: int) -> None:
 def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch_size: int | None = None,
                microbatches: int | None = None, param_dtype: str = "fp32", grad_dtype: str = "fp32",
                compute_dtype: str | None = None, master_weights: bool = True, activation_checkpoint: str = "none",
-               pp_schedule: str = "1F1B", reshard_after_forward: str = "always",
-               model: nn.Module | None = None) -> Plan:
+               pp_schedule: str = "1F1B", reshard_after_forward: str = "always", pp_split: str = "even",
+               cp_method: str = "allgather", model: nn.Module | None = None) -> Plan:
     """Size ``config`` (a TransformerConfig) under ``layout``; ``batch_size`` is global sequences per
     optimizer step (default: one sequence per micro-batch per data-parallel rank). Pass ``model`` (a
     meta build of ``config``) to reuse one. Raises ConfigError naming the flag that is wrong."""
@@ -220,8 +275,9 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
     if activation_checkpoint not in AC_MODES:
         flag_error("--activation-checkpoint", f"must be one of {list(AC_MODES)}, got {activation_checkpoint!r}")
     if pp_schedule not in SCHEDULES:
-        flag_error("--pp-schedule", f"must be one of {list(SCHEDULES)} (single-stage-per-rank schedules), "
-                   f"got {pp_schedule!r}")
+        flag_error("--pp-schedule", f"must be one of {list(SCHEDULES)}, got {pp_schedule!r}")
+    if cp_method not in ("allgather", "ring"):
+        flag_error("--cp-method", f"must be allgather or ring, got {cp_method!r}")
     if reshard_after_forward not in ("always", "never"):
         flag_error("--reshard-after-forward", f"must be always or never, got {reshard_after_forward!r}")
     if seq_len < 1:
@@ -229,17 +285,21 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
     if seq_len > config.max_seq_len:
         flag_error("--seq-len", f"{seq_len} exceeds model.max_seq_len={config.max_seq_len}")
     if batch_size is None:
-        batch_size = layout.dp * (microbatches or (layout.pp if layout.pp > 1 else 1))
+        from lockstep.parallel.pipeline import stages_per_rank
+
+        default_m = layout.pp * stages_per_rank(pp_schedule) if layout.pp > 1 else 1
+        batch_size = layout.dp * (microbatches or default_m)
     if batch_size < 1 or batch_size % layout.dp:
         flag_error("--batch-size", f"{batch_size} is not a positive multiple of the {layout.dp} data-parallel ranks "
                    f"(dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard})")
-    m_count = _microbatches(layout, batch_size, microbatches, pp_schedule)
-    mb = batch_size // layout.dp // m_count
-
     model = build_meta_model(config) if model is None else model
+    m_count = _microbatches(layout, batch_size, microbatches, pp_schedule, len(model.layers))
+    mb = batch_size // layout.dp // m_count
     _validate_model(model, layout, seq_len)
-    params, ranges, notes = place_parameters(model, layout)
-    total = sum(p.numel for p in params)
+    params, ranges, notes = place_parameters(model, layout, pp_schedule, pp_split, seq_len)
+    _, rank_stages = stage_layout(model, layout, pp_schedule, pp_split, seq_len)
+    n_stages = len(ranges)
+    total = sum(p.numel for p in params if p.kind != "embedding_copy")
     active = None
     if any(hasattr(m, "active_matmul_params") for m in model.modules()):
         active = total - sum(sum(p.numel() for p in m.parameters()) - m.active_matmul_params()
@@ -248,9 +308,10 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
     pb, gb, cb = DTYPE_BYTES[param_dtype], DTYPE_BYTES[grad_dtype], DTYPE_BYTES[compute_dtype]
     opt_per = 8 + (4 if master_weights and param_dtype == "bf16" else 0)
     dim, tp = config.dim, layout.tp
-    tokens = mb * seq_len
+    tokens = mb * seq_len // layout.cp  # the rank's share of a micro-batch
     settings = dict(layout=layout, tokens=tokens, cb=cb, gb=gb, M=m_count, schedule=pp_schedule,
-                    reshard=reshard_after_forward == "always")
+                    reshard=reshard_after_forward == "always", cp_method=cp_method, rank_stages=rank_stages,
+                    n_stages=n_stages, all_params=params)
 
     # activations per block kind (bytes per token, before / tp)
     block_kinds: dict[str, tuple[float, float]] = {}
@@ -274,9 +335,10 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
         nb = buf.numel() * buf.element_size()
         parts = name.split(".")
         if parts[0] == "layers":
-            stages = [next(s for s, r in enumerate(ranges) if list(model.layers).index(parts[1]) in r)]
+            vs = next(s for s, r in enumerate(ranges) if list(model.layers).index(parts[1]) in r)
+            stages = [next(rank for rank, ids in enumerate(rank_stages) if vs in ids)]
         elif parts[0] == "mtp":
-            stages = [layout.pp - 1]
+            stages = [next(rank for rank, ids in enumerate(rank_stages) if n_stages - 1 in ids)]
         else:  # rope tables and anything model-wide: every stage
             stages = list(range(layout.pp))
         for s in stages:
@@ -284,56 +346,90 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
 
     layer_keys = list(model.layers.keys())
     stages: list[StagePlan] = []
-    for s, r in enumerate(ranges):
+    has_mtp = getattr(model, "mtp", None) is not None
+    for s, ids in enumerate(rank_stages):
         sp = [p for p in params if p.stage == s]
         padded = sum(p.padded_numel for p in sp)
         exact = sum(p.local_numel(0) for p in sp)
-        if layout.pp == 1:
-            in_flight = 1
-        elif pp_schedule == "GPipe":
-            in_flight = m_count
-        else:
-            in_flight = min(m_count, layout.pp - s)
-        names = [f"layers.{layer_keys[i]}" for i in r]
-        if s == layout.pp - 1 and getattr(model, "mtp", None) is not None:
-            names += [f"mtp.{k}.block" for k in model.mtp]
-        saved = sum(block_kinds[n][0] for n in names)
-        transient = max((block_kinds[n][1] for n in names), default=0.0)
-        if s == layout.pp - 1:
-            n_heads_out = 1 + (len(model.mtp) if getattr(model, "mtp", None) is not None else 0)
-            saved += n_heads_out * head_bytes + (n_heads_out - 1) * 5 * dim * cb  # MTP: norms, concat, proj
-        act = tokens * (in_flight * saved + transient) / tp
+        saved_total, transient, in_flight, names = 0.0, 0.0, 0, []
+        for vs in ids:
+            stage_names = [f"layers.{layer_keys[i]}" for i in ranges[vs]]
+            if vs == n_stages - 1 and has_mtp:
+                stage_names += [f"mtp.{k}.block" for k in model.mtp]
+            saved = sum(block_kinds[n][0] for n in stage_names)
+            if vs == n_stages - 1:
+                n_heads_out = 1 + (len(model.mtp) if has_mtp else 0)
+                saved += n_heads_out * head_bytes + (n_heads_out - 1) * 5 * dim * cb  # MTP: norms, concat, proj
+            if layout.pp == 1:
+                flight = 1
+            elif pp_schedule == "GPipe":
+                flight = m_count
+            else:
+                flight = min(m_count, n_stages - vs)
+            saved_total += flight * saved
+            in_flight = max(in_flight, flight)
+            transient = max([transient] + [block_kinds[n][1] for n in stage_names])
+            names += stage_names
+        act = tokens * (saved_total + transient) / tp
         units = fsdp_units(sp, pb, gb, cb)
         transient_fsdp = fsdp_transient_bytes(units, reshard_after_forward == "always")
-        stage = StagePlan(stage=s, layers=r, params=sp, param_numel=padded, param_numel_exact=exact,
-                          param_bytes=padded * pb, grad_bytes=padded * gb, optimizer_bytes=padded * opt_per,
-                          buffer_bytes=buffers[s], activation_bytes=act, fsdp_transient_bytes=transient_fsdp,
-                          in_flight_microbatches=in_flight, units=units)
+        stage = StagePlan(stage=s, layers=[ranges[vs] for vs in ids], params=sp, param_numel=padded,
+                          param_numel_exact=exact, param_bytes=padded * pb, grad_bytes=padded * gb,
+                          optimizer_bytes=padded * opt_per, buffer_bytes=buffers[s], activation_bytes=act,
+                          fsdp_transient_bytes=transient_fsdp, in_flight_microbatches=in_flight, units=units)
         stage.collectives = step_collectives(stage, model, names, settings)
         stages.append(stage)
 
-    if layout.pp > 1 and getattr(model, "mtp", None) is not None:
-        notes.append("MTP modules sit on the last stage; lockstep's pipeline does not run MTP yet, and a "
-                     "pipelined MTP needs the token embeddings sent from stage 0 (counted as a send/recv)")
+    if layout.pp > 1 and (has_mtp or config.tie_embeddings) and rank_stages[-1] != rank_stages[0]:
+        notes.append("the last stage keeps a copy of the token embedding (" + ("MTP heads" if has_mtp else "tied head")
+                     + "); its gradient is all-reduced with the first stage's once per step, as the runner's "
+                     "reduce_shared_grads")
     if layout.pp > 1 and layout.dp_shard > 1:
         notes.append("FSDP all-gathers are counted per micro-batch, forward and backward (an upper bound under "
                      "PP, where torch.distributed.pipelining keeps parameters gathered between backward "
                      "micro-batches); reduce-scatters once per step")
     if len({len(r) for r in ranges}) > 1:
-        notes.append(f"{len(layer_keys)} layers do not split evenly over pp={layout.pp}: stages hold "
+        notes.append(f"{len(layer_keys)} layers over {n_stages} stages ({pp_split} split): stages hold "
                      f"{[len(r) for r in ranges]} layers")
-    waste = sum(p.padded_numel * p.fsdp - math.prod(p.pre_fsdp_shape()) for p in params if p.fsdp > 1)
+    bubble = pipeline_bubble(pp_schedule, layout.pp, m_count)
+    if layout.pp > 1:
+        notes.append(f"pipeline bubble {100 * bubble['fraction']:.1f}% of the step ({pp_schedule}: {bubble['formula']}; "
+                     f"{bubble['assumes']}); memory and traffic above do not include it")
+    if layout.cp > 1:
+        notes.append(f"cp={layout.cp} ({cp_method}): parameters replicated over cp, their gradients all-reduced "
+                     "over cp once per step" + (" (experts excluded: ep spans cp)" if layout.ep_spans_cp else "")
+                     + "; activations are each rank's seq/cp tokens")
+    waste = sum(p.padded_numel * p.fsdp - math.prod(p.pre_fsdp_shape()) for p in params
+                if p.fsdp > 1 and p.kind != "embedding_copy")
     if waste > 0.01 * total / max(1, layout.tp):
         notes.append(f"FSDP padding: {waste / 1e6:.1f}M padded elements per shard group (dims not divisible "
                      "by the FSDP degree)")
     if layout.tp > 1 and any(p.kind in ("experts", "router") for p in params):
-        notes.append("lockstep's parallelize_dense has no TP plan for MoE/MLA blocks yet (it refuses them); "
-                     "this sizes the torchtitan-style plan (expert TP = tp)")
+        notes.append("MoE under tp: router replicated, routed and shared experts split on their hidden dim "
+                     "(expert TP = tp, lockstep.parallel.tp_blocks)")
     if layout.ep > 1:
-        notes.append("EP is sized as torchtitan's (ep borrowed from dp_shard, experts FSDP over dp_shard/ep, "
-                     "expert TP = tp); lockstep's own EP covers part of that: --verify-fsdp says which path ran")
+        notes.append("EP all-to-all traffic assumes uniform routing (each rank's tokens x top_k spread evenly)")
+    refusal = lockstep_refusal(layout, pp_schedule, cp_method)
+    if refusal:
+        notes.append(f"lockstep's trainer refuses this layout today: {refusal}")
     return Plan(family=config.family, flavor=config.flavor, layout=layout, seq_len=seq_len, batch_size=batch_size,
                 microbatches=m_count, microbatch_size=mb, param_dtype=param_dtype, grad_dtype=grad_dtype,
                 compute_dtype=compute_dtype, master_weights=master_weights, activation_checkpoint=activation_checkpoint,
-                pp_schedule=pp_schedule, reshard_after_forward=reshard_after_forward, total_params=total,
+                pp_schedule=pp_schedule, reshard_after_forward=reshard_after_forward, cp_method=cp_method,
+                bubble=bubble, pp_split=pp_split, total_params=total,
                 active_params=active, params=params, stages=stages, activation_k=k_report, notes=notes)
+
+
+def lockstep_refusal(layout: Layout, schedule: str = "1F1B", cp_method: str = "allgather") -> str:
+    """Why lockstep's own :class:`ParallelConfig` refuses ``layout`` ('' when it accepts it)."""
+    from lockstep.config.base import ConfigError
+    from lockstep.parallel.dims import ParallelConfig
+
+    pcfg = ParallelConfig(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, ep=layout.ep,
+                          cp=layout.cp, pp=layout.pp, pp_schedule=schedule, cp_method=cp_method)
+    try:
+        pcfg.validate()
+        pcfg.resolve(layout.world)
+    except ConfigError as err:
+        return str(err)
+    return ""

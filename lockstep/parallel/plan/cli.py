@@ -18,20 +18,26 @@ def _parser() -> argparse.ArgumentParser:
         "build of the model (nothing is allocated)."))
     src = p.add_argument_group("model")
     src.add_argument("--recipe", help="take model, batch, seq-len, dtypes and degrees from a recipe")
-    src.add_argument("--family", help="model family (llama3, qwen3, qwen3_moe, deepseek_v3)")
+    src.add_argument("--family", help="model family (llama3, qwen3, qwen3_moe, deepseek_v3, qwen3_next, qwen3_5, "
+                     "gpt_oss)")
     src.add_argument("--flavor", help="flavor of the family, e.g. 8B, 70B, 30B-A3B, 671B, kimi_k2")
-    lay = p.add_argument_group("layout (world = pp x dp_replicate x dp_shard x tp; ep inside dp_shard)")
+    lay = p.add_argument_group("layout (world = pp x dp_replicate x dp_shard x cp x tp; ep inside dp_shard "
+                               "or spanning dp_shard x cp)")
     lay.add_argument("--world", type=int, help="number of ranks (required unless a recipe's degrees multiply to it)")
     lay.add_argument("--pp", type=int, default=None, help="pipeline stages (default 1)")
     lay.add_argument("--dp-replicate", type=int, default=None, help="HSDP replicas (default 1)")
     lay.add_argument("--dp-shard", type=int, default=None, help="FSDP shards; -1 = the rest (default)")
     lay.add_argument("--tp", type=int, default=None, help="tensor parallel degree (default 1)")
-    lay.add_argument("--ep", type=int, default=None, help="expert parallel degree, divides dp-shard (default 1)")
+    lay.add_argument("--ep", type=int, default=None,
+                     help="expert parallel degree: divides dp-shard, or equals dp-shard x cp (default 1)")
+    lay.add_argument("--cp", type=int, default=None, help="context parallel degree (default 1)")
+    lay.add_argument("--cp-method", choices=("allgather", "ring"), default=None, help="cp K/V exchange")
     run = p.add_argument_group("step")
     run.add_argument("--seq-len", type=int, help="tokens per sequence (default: recipe, else min(4096, max_seq_len))")
     run.add_argument("--batch-size", type=int, help="global sequences per optimizer step")
     run.add_argument("--microbatches", type=int, help="micro-batches per step per dp rank (default: pp, or 1)")
-    run.add_argument("--pp-schedule", default="1F1B", choices=SCHEDULES)
+    run.add_argument("--pp-schedule", default=None, choices=SCHEDULES, help="pipeline schedule (default 1F1B)")
+    run.add_argument("--pp-split", default=None, help="layers per stage: even, cost, or e.g. 31,30")
     run.add_argument("--param-dtype", help="stored parameter dtype: bf16 or fp32 (default fp32)")
     run.add_argument("--grad-dtype", help="gradient / reduction dtype: bf16 or fp32 (default fp32)")
     run.add_argument("--compute-dtype", help="FSDP all-gather + activation dtype (default: bf16)")
@@ -58,7 +64,9 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any, argparse.Namespace]:
         cfg = get_recipe(args.recipe).config()
         config = cfg.model
         par = cfg.parallel
-        defaults = dict(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp,
+        defaults = dict(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, ep=par.ep, cp=par.cp,
+                        pp=par.pp, pp_schedule=par.pp_schedule, pp_split=par.pp_split, cp_method=par.cp_method,
+                        recipe_microbatches=par.pp_microbatches or None,
                         seq_len=cfg.training.seq_len, batch_size=cfg.training.batch_size * cfg.training.grad_accum,
                         microbatches=cfg.training.grad_accum,
                         compute_dtype="bf16" if "bfloat16" in (cfg.training.dtype, par.fsdp_param_dtype) else "fp32",
@@ -79,16 +87,17 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any, argparse.Namespace]:
         return value if value is not None else defaults.get(name, fallback)
 
     layout = Layout(world=args.world, pp=pick("pp", 1), dp_replicate=pick("dp_replicate", 1),
-                    dp_shard=pick("dp_shard", -1), tp=pick("tp", 1), ep=pick("ep", 1))
+                    dp_shard=pick("dp_shard", -1), tp=pick("tp", 1), ep=pick("ep", 1), cp=pick("cp", 1))
     microbatches = pick("microbatches", None)
     if args.recipe and args.microbatches is None and layout.pp > 1:
-        microbatches = None  # the recipe's grad_accum is a no-PP setting: let PP choose
+        microbatches = defaults.get("recipe_microbatches")  # grad_accum is a no-PP setting: pp_microbatches or PP's choice
     plan = build_plan(
         config, layout, seq_len=pick("seq_len", min(4096, config.max_seq_len)), batch_size=pick("batch_size", None),
         microbatches=microbatches, param_dtype=pick("param_dtype", "fp32"), grad_dtype=pick("grad_dtype", "fp32"),
         compute_dtype=pick("compute_dtype", "bf16"), master_weights=not args.no_master_weights,
-        activation_checkpoint=pick("activation_checkpoint", "none"), pp_schedule=args.pp_schedule,
-        reshard_after_forward=pick("reshard_after_forward", "always"))
+        activation_checkpoint=pick("activation_checkpoint", "none"), pp_schedule=pick("pp_schedule", "1F1B"),
+        reshard_after_forward=pick("reshard_after_forward", "always"), pp_split=pick("pp_split", "even"),
+        cp_method=pick("cp_method", "allgather"))
     return plan, config, args
 
 

@@ -15,8 +15,13 @@ the ring traffic per rank (all-gather / reduce-scatter / all-to-all ``(n-1)/n``,
   parameters are all-reduced over tp.
 * EP: per MoE layer and micro-batch an all-to-all dispatch and combine of ``tokens x top_k x dim``
   forward, and both again backward (uniform routing assumed for the traffic).
-* PP: per micro-batch the stage-boundary activations ``[mb, seq / tp, dim]`` forward and their
-  gradients backward.
+* PP: per micro-batch and stage boundary of the rank's stages, the activations ``[mb, seq / cp / tp,
+  dim]`` forward and their gradients backward; the embedding copy of the last stage (MTP, tied
+  head) all-reduces its gradient with the first stage's once per step.
+* CP: ``allgather`` all-gathers each attention layer's K/V over cp per micro-batch forward and
+  reduce-scatters their gradients backward; ``ring`` sends the local K/V ``cp - 1`` times forward
+  and K/V plus dK/dV ``cp - 1`` times backward. Gradients of cp-replicated parameters are
+  all-reduced over cp once per step (experts excluded when ep spans cp).
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ def step_collectives(stage: StagePlan, model: nn.Module, block_names: list[str],
     dim = model.config.dim
     out: list[Collective] = []
     rs_calls = 1 if L.pp > 1 else M
+    ids = st.get("rank_stages", [[s] for s in range(L.pp)])[stage.stage]
+    n_stages = st.get("n_stages", L.pp)
 
     # FSDP / HSDP, grouped by identical units
     grouped: dict[tuple, list[str]] = {}
@@ -91,6 +98,8 @@ def step_collectives(stage: StagePlan, model: nn.Module, block_names: list[str],
         if L.dp_replicate > 1:
             out.append(Collective("all-reduce", "dp_replicate", L.dp_replicate, f"HSDP grads: {label}",
                                   sharded_numel * gb, k * rs_calls))
+        if L.cp > 1 and not (group == "dp_shard/ep" and L.ep_spans_cp):
+            out.append(Collective("all-reduce", "cp", L.cp, f"CP grads: {label}", sharded_numel * gb, k))
 
     act = T * dim * cb  # one [mb, seq, dim] activation
     n_blocks = len(block_names)
@@ -99,10 +108,10 @@ def step_collectives(stage: StagePlan, model: nn.Module, block_names: list[str],
                               act, 2 * 2 * n_blocks * M))
         out.append(Collective("reduce-scatter", "tp", L.tp, f"TP/SP block outputs (wo + w2) x{n_blocks} blocks",
                               act, 2 * 2 * n_blocks * M))
-        if stage.stage == 0:
+        if 0 in ids:
             out.append(Collective("reduce-scatter", "tp", L.tp, "TP embedding output fwd (+ all-gather bwd)",
                                   act, 2 * M))
-        if stage.stage == L.pp - 1:
+        if n_stages - 1 in ids:
             heads = 1 + (len(model.mtp) if getattr(model, "mtp", None) is not None else 0)
             out.append(Collective("all-gather", "tp", L.tp, f"TP head input fwd (+ reduce-scatter bwd) x{heads}",
                                   act, 2 * heads * M))
@@ -120,21 +129,48 @@ def step_collectives(stage: StagePlan, model: nn.Module, block_names: list[str],
             out.append(Collective("all-to-all", "ep", L.ep,
                                   f"EP dispatch + combine, fwd + bwd, x{len(moe_blocks)} MoE layers "
                                   f"(tokens x top_k={top_k} x dim)", size, 4 * len(moe_blocks) * M))
+    if L.cp > 1:
+        attn = [_get(model, n).attention for n in block_names]
+        kv = sum(_kv_width(a) for a in attn) / L.tp  # K/V elements per token over the rank's layers
+        if kv:
+            if st.get("cp_method", "allgather") == "allgather":
+                out.append(Collective("all-gather", "cp", L.cp, f"CP K/V fwd x{len(attn)} attention layers",
+                                      T * L.cp * kv * cb / len(attn), len(attn) * M))
+                out.append(Collective("reduce-scatter", "cp", L.cp, f"CP dK/dV bwd x{len(attn)} attention layers",
+                                      T * L.cp * kv * cb / len(attn), len(attn) * M))
+            else:
+                out.append(Collective("send", "cp", L.cp, f"CP ring K/V fwd (+ K/V, dK/dV bwd) x{len(attn)} layers",
+                                      T * kv * cb / len(attn), 3 * (L.cp - 1) * len(attn) * M))
     if L.pp > 1:
         boundary = act / L.tp
-        if stage.stage > 0:
-            out.append(Collective("recv", "pp", L.pp, "PP activations from the previous stage", boundary, M))
-            out.append(Collective("send", "pp", L.pp, "PP activation grads to the previous stage", boundary, M))
-        if stage.stage < L.pp - 1:
-            out.append(Collective("send", "pp", L.pp, "PP activations to the next stage", boundary, M))
-            out.append(Collective("recv", "pp", L.pp, "PP activation grads from the next stage", boundary, M))
-        if getattr(model, "mtp", None) is not None and stage.stage in (0, L.pp - 1):
-            first = stage.stage == 0
-            out.append(Collective("send" if first else "recv", "pp", L.pp,
-                                  "PP token embeddings for MTP (stage 0 -> last)", boundary, M))
-            out.append(Collective("recv" if first else "send", "pp", L.pp,
-                                  "PP MTP embedding grads (last -> stage 0)", boundary, M))
+        sends = sum(1 for s in ids if s < n_stages - 1)
+        recvs = sum(1 for s in ids if s > 0)
+        if recvs:
+            out.append(Collective("recv", "pp", L.pp, "PP activations from the previous stage", boundary, recvs * M))
+            out.append(Collective("send", "pp", L.pp, "PP activation grads to the previous stage", boundary, recvs * M))
+        if sends:
+            out.append(Collective("send", "pp", L.pp, "PP activations to the next stage", boundary, sends * M))
+            out.append(Collective("recv", "pp", L.pp, "PP activation grads from the next stage", boundary, sends * M))
+        copy = [p for p in stage.params if p.kind in ("embedding", "embedding_copy")]
+        has_copy = any(p.kind == "embedding_copy" for p in st.get("all_params", stage.params))
+        if copy and has_copy:
+            numel = sum(p.padded_numel for p in copy)
+            out.append(Collective("all-reduce", "pp first+last", 2,
+                                  "shared embedding grads (MTP / tied head copy), first <-> last stage",
+                                  numel * gb, 1))
     return out
+
+
+def _kv_width(att: nn.Module) -> int:
+    """K and V elements per token one attention layer's cp exchange moves (before tp)."""
+    from lockstep.models.common.attention import GroupedQueryAttention as GQA
+    from lockstep.models.common.mla import MultiHeadLatentAttention as MLA
+
+    if isinstance(att, GQA):
+        return 2 * att.n_kv_heads * att.head_dim
+    if isinstance(att, MLA):
+        return att.n_heads * (att.qk_head_dim + att.v_head_dim)
+    return 0
 
 
 def _get(model: nn.Module, path: str) -> nn.Module:

@@ -1,18 +1,25 @@
 """The layout of a ``lockstep plan`` dry run and where every parameter lives under it.
 
-    world = pp x dp_replicate x dp_shard x tp        (ep is carved out of dp_shard)
+    world = pp x dp_replicate x dp_shard x cp x tp   (ep is carved out of dp_shard, or spans dp_shard x cp)
 
-* **PP** cuts ``layers`` into ``pp`` contiguous stages by count (earlier stages take the remainder,
-  as :func:`lockstep.parallel.pipeline.layer_ranges`); the first stage also holds the embedding,
-  the last the final norm, the head and any MTP modules.
+* **PP** cuts ``layers`` into ``pp x stages_per_rank(schedule)`` contiguous stages (even by count,
+  by the cost model, or given sizes: :func:`lockstep.parallel.pipeline_stage.split_sizes`); pipeline
+  rank ``r`` holds the stages :func:`lockstep.parallel.pipeline.stage_ids_for_rank` gives it (two
+  under Interleaved1F1B / ZBV / DualPipeV). The first stage also holds the embedding, the last the
+  final norm, the head and any MTP modules -- plus a copy of the embedding when MTP or a tied head
+  needs it there (its gradient all-reduced with the first stage's, as the runner does).
+* **CP** splits each sequence over ``cp`` ranks: parameters are replicated over cp (FSDP does not
+  shard over it) and their gradients all-reduced over cp; activations are ``seq / cp`` per rank.
 * **TP** (Megatron split with sequence parallel) divides the matmuls: q/k/v, w1/w3, MLA ``wq``/
   ``wq_b``/``wkv_b``, the embedding and head (vocabulary) column-wise; ``wo``/``w2`` row-wise;
   routed experts on their hidden dim (expert TP = tp). Norms, the MoE router, MLA's down
   projections (``wq_a``, ``wkv_a``) and the MTP ``proj`` stay replicated.
 * **EP** gives each of ``ep`` ranks ``n_routed_experts / ep`` routed experts. The EP ranks are taken
-  from the FSDP dim (ep must divide dp_shard, as torchtitan's ``dp_shard_in_ep``): experts are then
+  from the FSDP dim (ep divides dp_shard, as torchtitan's ``dp_shard_in_ep``): experts are then
   FSDP-sharded over the remaining ``dp_shard / ep`` ranks in their own FSDP unit (on dim 1 when a
-  rank holds fewer experts than that), everything else over ``dp_shard``.
+  rank holds fewer experts than that), everything else over ``dp_shard``; under HSDP the experts
+  are replicated over ``dp_replicate``. With cp, ep may instead span ``dp_shard x cp`` (ep ==
+  dp_shard x cp): every rank then owns its experts whole (no expert FSDP).
 * **FSDP2** shards what is left on dim 0 over ``dp_shard`` (``torch.chunk`` pieces, padded to the
   largest: the memory numbers are the padded ones, rank totals use the exact pieces). One unit per
   block (``layers.i``, ``mtp.k``) plus the root (embedding, norm, head). **HSDP** replicas
@@ -33,15 +40,17 @@ import torch
 from torch import nn
 
 from lockstep.models.common.attention import GroupedQueryAttention as GQA
+from lockstep.models.common.gated_deltanet import GatedDeltaNet
 from lockstep.models.common.mla import MultiHeadLatentAttention as MLA
 from lockstep.models.common.mlp import SwiGLU
 from lockstep.models.common.moe import GroupedExperts, MoE
-from lockstep.parallel.pipeline import layer_ranges  # the split the runner uses
+from lockstep.parallel.pipeline import (SCHEDULES, last_stage_pp_rank, layer_ranges,  # the split the runner uses
+                                        stage_ids_for_rank, stages_per_rank)
+from lockstep.parallel.pipeline_stage import split_sizes
 from lockstep.config.base import ConfigError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
-SCHEDULES = ("1F1B", "GPipe")
 AC_MODES = ("none", "selective", "full")
 ROOT_UNIT = "root"
 
@@ -62,9 +71,11 @@ def flag_error(flag: str, message: str) -> NoReturn:
 # ----------------------------------------------------------------------------------------- layout
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Parallel degrees. ``world = pp x dp_replicate x dp_shard x tp``; ``ep`` divides ``dp_shard``.
+    """Parallel degrees. ``world = pp x dp_replicate x dp_shard x cp x tp``; ``ep`` divides
+    ``dp_shard`` or equals ``dp_shard x cp``.
 
-    Rank order (outermost first): pp, dp_replicate, dp_shard (= dp_shard/ep x ep), tp.
+    Rank order (outermost first, as :meth:`lockstep.parallel.dims.ParallelDims.mesh_dims`): pp,
+    dp_replicate, dp_shard (= dp_shard/ep x ep), cp, tp.
     """
 
     world: int
@@ -74,32 +85,35 @@ class Layout:
     dp_shard: int = -1
     tp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def resolve(self) -> "Layout":
         """The layout with ``dp_shard`` filled in; ConfigError naming the degree otherwise."""
         if self.world < 1:
             flag_error("--world", f"must be >= 1, got {self.world}")
         for flag, value in (("--pp", self.pp), ("--dp-replicate", self.dp_replicate), ("--tp", self.tp),
-                            ("--ep", self.ep)):
+                            ("--ep", self.ep), ("--cp", self.cp)):
             if value < 1:
                 flag_error(flag, f"must be >= 1, got {value}")
         if self.dp_shard != -1 and self.dp_shard < 1:
             flag_error("--dp-shard", f"must be >= 1 or -1 (auto), got {self.dp_shard}")
-        others = self.pp * self.dp_replicate * self.tp
+        others = self.pp * self.dp_replicate * self.tp * self.cp
         if self.dp_shard == -1:
             if self.world % others:
                 flag_error("--world", f"{self.world} is not divisible by pp={self.pp} x dp_replicate="
-                           f"{self.dp_replicate} x tp={self.tp} = {others}, so --dp-shard=-1 (auto) has no whole value")
+                           f"{self.dp_replicate} x cp={self.cp} x tp={self.tp} = {others}, so --dp-shard=-1 (auto) "
+                           "has no whole value")
             dp_shard = self.world // others
         else:
             dp_shard = self.dp_shard
         product = others * dp_shard
         if product != self.world:
             flag_error("--world", f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={dp_shard} x "
-                       f"tp={self.tp} = {product}, but the world size is {self.world}")
-        if dp_shard % self.ep:
-            flag_error("--ep", f"{self.ep} does not divide --dp-shard={dp_shard} (expert-parallel ranks are taken "
-                       "from the FSDP dim; experts are FSDP-sharded over dp_shard / ep)")
+                       f"cp={self.cp} x tp={self.tp} = {product}, but the world size is {self.world}")
+        if dp_shard % self.ep and not (self.cp > 1 and self.ep == dp_shard * self.cp):
+            flag_error("--ep", f"{self.ep} does not divide --dp-shard={dp_shard}" +
+                       (f" and is not dp_shard x cp = {dp_shard * self.cp}" if self.cp > 1 else "") +
+                       " (expert-parallel ranks are taken from the FSDP dim, or span dp_shard x cp)")
         return dataclasses.replace(self, dp_shard=dp_shard)
 
     @property
@@ -107,27 +121,40 @@ class Layout:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def ep_spans_cp(self) -> bool:
+        """ep borrows the cp ranks too: ep == dp_shard x cp (as :class:`ParallelDims`)."""
+        return self.ep > 1 and self.cp > 1 and self.ep == self.dp_shard * self.cp
+
+    @property
     def expert_fsdp(self) -> int:
-        """FSDP degree of the routed experts (``dp_shard / ep``)."""
-        return self.dp_shard // self.ep
+        """FSDP degree of the routed experts (``dp_shard / ep``; 1 when ep spans dp_shard x cp)."""
+        return 1 if self.ep_spans_cp else self.dp_shard // self.ep
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank (``dp_shard = dp_shard_mod_ep * ep + ep``)."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is outside the world of {self.world}")
         rank, tp = divmod(rank, self.tp)
+        rank, cp = divmod(rank, self.cp)
         rank, dp_shard = divmod(rank, self.dp_shard)
         pp, dp_replicate = divmod(rank, self.dp_replicate)
-        return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp,
-                "ep": dp_shard % self.ep, "dp_shard_mod_ep": dp_shard // self.ep}
+        if self.ep_spans_cp:
+            ep, mod = dp_shard * self.cp + cp, 0
+        else:
+            ep, mod = dp_shard % self.ep, dp_shard // self.ep
+        return {"pp": pp, "dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp,
+                "ep": ep, "dp_shard_mod_ep": mod}
 
     def first_rank_of_stage(self, stage: int) -> int:
         return stage * (self.world // self.pp)
 
     def describe(self) -> str:
-        text = f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp}"
-        if self.ep > 1:
-            text += f"; ep={self.ep} inside dp_shard (experts FSDP over dp_shard/ep={self.expert_fsdp})"
+        text = f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x tp={self.tp}"
+        if self.ep_spans_cp:
+            text += f"; ep={self.ep} spans dp_shard x cp (experts whole on each rank)"
+        elif self.ep > 1:
+            text += f"; ep={self.ep} inside dp_shard (experts FSDP over dp_shard/ep={self.expert_fsdp}"
+            text += f", replicated over dp_replicate={self.dp_replicate})" if self.dp_replicate > 1 else ")"
         return text
 
 
@@ -199,8 +226,12 @@ def _tp_rule(mod_name: str, mod: nn.Module, pname: str, parent: nn.Module | None
     leaf = mod_name.rsplit(".", 1)[-1]
     if isinstance(mod, nn.Embedding):
         return "embedding", 0
-    if isinstance(mod, GroupedExperts):  # w1, w3 [E, F, D]; w2 [E, D, F]: split F
-        return "experts", 2 if pname == "w2" else 1
+    if isinstance(mod, GroupedExperts):  # w1, w3 [E, F, D]; w2 [E, D, F]: split F; b1, b3 [E, F]; b2 [E, D]
+        return "experts", {"w2": 2, "b2": None}.get(pname, 1)
+    if isinstance(mod, GQA) and pname == "sinks":  # GPT-OSS: one sink per head, split with the heads
+        return "attention", 0
+    if isinstance(mod, GatedDeltaNet) and pname in ("A_log", "dt_bias"):  # per value head
+        return "attention", 0
     if isinstance(mod, nn.Linear):
         col = 0 if (pname == "weight" or p.dim() == 1) else None
         row = 1 if pname == "weight" else None  # a row-wise layer's bias is replicated
@@ -208,6 +239,8 @@ def _tp_rule(mod_name: str, mod: nn.Module, pname: str, parent: nn.Module | None
             return "head", col
         if isinstance(parent, GQA):
             return "attention", row if leaf == "wo" else col
+        if isinstance(parent, GatedDeltaNet):  # in_proj_qkv: whole on every rank (HeadRowsLinear)
+            return "attention", row if leaf == "wo" else (None if leaf == "in_proj_qkv" else col)
         if isinstance(parent, MLA):
             if leaf in ("wq_a", "wkv_a"):
                 return "attention", None
@@ -221,15 +254,33 @@ def _tp_rule(mod_name: str, mod: nn.Module, pname: str, parent: nn.Module | None
     return "norm", None
 
 
-def place_parameters(model: nn.Module, layout: Layout) -> tuple[list[ParamPlacement], list[range], list[str]]:
-    """Every parameter's placement under ``layout`` (shared parameters once), the stage layer
-    ranges, and notes about parameters no rule knew."""
+def stage_layout(model: nn.Module, layout: Layout, schedule: str = "1F1B", split: str = "even",
+                 seq_len: int | None = None) -> tuple[list[range], list[list[int]]]:
+    """(layer range of every pipeline stage, the stage ids each pipeline rank holds) -- the runner's
+    split (:func:`split_sizes`, :func:`layer_ranges`) and placement (:func:`stage_ids_for_rank`)."""
+    n_stages = layout.pp * (stages_per_rank(schedule) if layout.pp > 1 else 1)
+    if layout.pp > 1:
+        try:
+            sizes = split_sizes(model, n_stages, split, seq_len)
+            ranges = layer_ranges(len(model.layers), n_stages, sizes)
+        except ValueError as err:
+            flag_error("--pp", str(err).removeprefix("pp: "))
+        return ranges, [stage_ids_for_rank(schedule, r, layout.pp) for r in range(layout.pp)]
+    return layer_ranges(len(model.layers), 1), [[0]]
+
+
+def place_parameters(model: nn.Module, layout: Layout, schedule: str = "1F1B", split: str = "even",
+                     seq_len: int | None = None) -> tuple[list[ParamPlacement], list[range], list[str]]:
+    """Every parameter's placement under ``layout`` (shared parameters once, plus the embedding copy
+    the last stage keeps for MTP or a tied head), the layer ranges of the pipeline stages, and notes
+    about parameters no rule knew. ``ParamPlacement.stage`` is the pipeline *rank*."""
     notes: list[str] = []
     keys = list(model.layers.keys())
-    ranges = layer_ranges(len(keys), layout.pp)
-    stage_of_layer = {keys[i]: s for s, r in enumerate(ranges) for i in r}
+    ranges, rank_stages = stage_layout(model, layout, schedule, split, seq_len)
+    rank_of_stage = {s: r for r, ids in enumerate(rank_stages) for s in ids}
+    stage_of_layer = {keys[i]: rank_of_stage[s] for s, r in enumerate(ranges) for i in r}
     modules = dict(model.named_modules())
-    last = layout.pp - 1
+    last = last_stage_pp_rank(schedule, layout.pp) if layout.pp > 1 else 0
     seen: set[int] = set()
     out: list[ParamPlacement] = []
     unknown: list[str] = []
@@ -261,8 +312,13 @@ def place_parameters(model: nn.Module, layout: Layout) -> tuple[list[ParamPlacem
                 unit = f"{mod_name}"  # experts are their own FSDP unit on the dp_shard/ep mesh
                 if p.shape[0] // ep < fsdp:  # fewer local experts than FSDP ranks: shard the hidden dim
                     fsdp_dim = 1
-            out.append(ParamPlacement(name=name, shape=tuple(p.shape), kind=kind, stage=stage, unit=unit,
-                                      tp_dim=tp_dim, tp=tp, ep=ep, fsdp_dim=fsdp_dim, fsdp=fsdp))
+            placed = ParamPlacement(name=name, shape=tuple(p.shape), kind=kind, stage=stage, unit=unit,
+                                    tp_dim=tp_dim, tp=tp, ep=ep, fsdp_dim=fsdp_dim, fsdp=fsdp)
+            out.append(placed)
+            needs_copy = getattr(model, "mtp", None) is not None or model.config.tie_embeddings
+            if kind == "embedding" and last != 0 and needs_copy:  # split_into_stages' copy on the last stage
+                copy_name = name if getattr(model, "mtp", None) is not None else "output.weight"  # the tied head's
+                out.append(dataclasses.replace(placed, name=copy_name, stage=last, kind="embedding_copy"))
     if unknown:
         notes.append(f"TP-replicated (no TP rule): {compress_names(unknown)}")
     return out, ranges, notes

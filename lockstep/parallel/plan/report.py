@@ -47,13 +47,13 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  act.     per block ~ seq x mb x dim x k bytes / tp ({k}); x micro-batches in flight")
     lines.append("")
     lines.append("per-rank memory by pipeline stage (dp/ep/tp index 0, the largest shard):")
-    head = f"  {'stage':>5} {'layers':>8} {'params':>11} {'grads':>11} {'optim':>11} {'buffers':>10} " \
+    head = f"  {'stage':>5} {'layers':>11} {'params':>11} {'grads':>11} {'optim':>11} {'buffers':>10} " \
            f"{'activations':>12} {'fsdp peak':>11} {'total':>11}"
     lines.append(head)
     for s in plan.stages:
-        layers = f"{s.layers.start}-{s.layers.stop - 1}"
+        layers = ",".join(f"{r.start}-{r.stop - 1}" for r in s.layers)
         mark = " <- worst" if s is w and len(plan.stages) > 1 else ""
-        lines.append(f"  {s.stage:>5} {layers:>8} {fmt_bytes(s.param_bytes):>11} {fmt_bytes(s.grad_bytes):>11} "
+        lines.append(f"  {s.stage:>5} {layers:>11} {fmt_bytes(s.param_bytes):>11} {fmt_bytes(s.grad_bytes):>11} "
                      f"{fmt_bytes(s.optimizer_bytes):>11} {fmt_bytes(s.buffer_bytes):>10} "
                      f"{fmt_bytes(s.activation_bytes):>12} {fmt_bytes(s.fsdp_transient_bytes):>11} "
                      f"{fmt_bytes(s.total_bytes):>11}{mark}")
