@@ -323,6 +323,17 @@ class ParallelRuntime:
             state.update({k: v.cpu() for k, v in gather_full_experts(model, self.mesh["ep"]).items()})
         return state
 
+    def _experts_layout(self) -> str | None:
+        from lockstep.parallel.fsdp import expert_mesh
+
+        d = self.dims
+        if d.ep == 1:
+            return None
+        if self.mesh is not None and expert_mesh(self.mesh, d) is not None:
+            return (f"routed experts split over ep={d.ep}, FSDP-sharded over dp_shard_mod_ep={d.dp_shard // d.ep}"
+                    + (f", replicated over dp_replicate={d.dp_replicate}" if d.dp_replicate > 1 else ""))
+        return f"routed experts split over ep={d.ep}, outside FSDP"
+
     def describe(self, family: str | None = None, config: ParallelConfig | None = None) -> dict:
         from lockstep.parallel.tested_layouts import matching_parity_test
 
@@ -343,7 +354,7 @@ class ParallelRuntime:
             if self.context is not None else None,
             "pipeline": {"schedule": self.pipeline.schedule_name, "n_stages": self.pipeline.n_stages,
                          "stages_on_this_rank": list(self.pipeline.stage_ids)} if self.pipeline is not None else None,
-            "experts": f"routed experts split over ep={self.dims.ep}, outside FSDP" if self.dims.ep > 1 else None,
+            "experts": self._experts_layout(),
             "mesh": [list(n) for n in self.dims.mesh_dims],
             "fsdp_units": "each transformer block + root" if self.dims.dp > 1 else None,
             "tp_plan": "megatron col/row + sequence-parallel norms + loss-parallel head" if self.dims.tp > 1 else None,

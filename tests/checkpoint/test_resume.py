@@ -115,6 +115,12 @@ RESHARD = [
     # MLA (replicated latents), experts split over ep rows and each one's hidden dim over tp, MTP
     ("tp2xep2-to-1 deepseek", "debug-deepseek", 4,
      ["--parallel.dp-shard", "2", "--parallel.ep", "2", "--parallel.tp", "2"], 1, []),
+    # EP that borrows: experts split over ep=2 and FSDP-sharded over dp_shard_mod_ep=2, resumed under
+    # HSDP x EP (experts replicated over dp_replicate=2), and that under one process
+    ("fsdp4xep2-to-hsdp2xep2 moe", "debug-moe", 4, ["--parallel.dp-shard", "4", "--parallel.ep", "2"], 4,
+     ["--parallel.dp-replicate", "2", "--parallel.dp-shard", "2", "--parallel.ep", "2"]),
+    ("hsdp2xep2-to-1 deepseek", "debug-deepseek", 4,
+     ["--parallel.dp-replicate", "2", "--parallel.dp-shard", "2", "--parallel.ep", "2"], 1, []),
     ("fsdp2-to-pp2", "debug", 2, ["--parallel.dp-shard", "2"], 2,
      ["--parallel.dp-shard", "1", "--parallel.pp", "2", "--model.n-layers", "4"]),
 ]
