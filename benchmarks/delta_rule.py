@@ -6,7 +6,7 @@ transformers' ``torch_chunk_gated_delta_rule`` is what Qwen3-Next / Qwen3.5 run 
 flash-linear-attention. Prints ms per call and the transformers/lockstep time ratio per shape, for
 the forward alone (no autograd graph: what a generator's prefill runs) and forward + backward.
 
-    .venv/bin/python benchmarks/delta_rule.py [--rounds 5] [--threads 2]
+    .venv/bin/python benchmarks/delta_rule.py [--rounds 5] [--threads 2] [--clock cpu]
 """
 
 from __future__ import annotations
@@ -35,8 +35,12 @@ def inputs(b: int, t: int, h: int, dk: int, dv: int, dtype: torch.dtype):
     return [x.requires_grad_() for x in (q, k, v, g, beta)]
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = time.perf_counter
+
+
 def timed(fn, xs, n: int, backward: bool) -> float:
-    start = time.perf_counter()
+    start = clock()
     for _ in range(n):
         if backward:
             out, _ = fn(*xs)
@@ -44,7 +48,7 @@ def timed(fn, xs, n: int, backward: bool) -> float:
         else:
             with torch.no_grad():
                 fn(*xs)
-    return (time.perf_counter() - start) / n
+    return (clock() - start) / n
 
 
 def main() -> None:
@@ -55,11 +59,15 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=3, help="calls per round per side")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--clock", choices=list(CLOCKS), default="wall",
+                        help="cpu: this process's CPU time, steadier than wall time on a shared host (use with --threads 1)")
     args = parser.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     ours = lambda q, k, v, g, beta: chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)  # noqa: E731
     theirs = lambda q, k, v, g, beta: torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64)  # noqa: E731
-    print(f"chunk 64, threads {args.threads}, {args.rounds} interleaved rounds of {args.calls} calls (median)")
+    print(f"chunk 64, threads {args.threads}, {args.clock} clock, {args.rounds} interleaved rounds of {args.calls} calls (median)")
     print(f"{'shape':<38} {'dtype':<9} {'pass':<8} {'lockstep ms':>11} {'HF ms':>8} {'HF / lockstep':>13} "
           f"{'(range)':>12}")
     for label, *shape in SHAPES:

@@ -106,17 +106,20 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     rhs = torch.cat([v_beta, k_beta * cum.exp().unsqueeze(-1)], dim=-1)
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     u, w = solved[..., :dv], solved[..., dv:]
-    attn = ((q @ k.transpose(-1, -2)) * decay).masked_fill(upper, 0.0)
+    attn = (q @ k.transpose(-1, -2)) * decay  # decay is exp(-inf) = 0 above the diagonal: causal already
     q_decayed = q * cum.exp().unsqueeze(-1)
     k_to_end = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]
 
     state = _initial(initial_state, b, h, dk, dv, v)
     outs = []
-    for i in range(n):
-        v_new = u[:, :, i] - w[:, :, i] @ state  # each token's correction given the carried state
-        outs.append(q_decayed[:, :, i] @ state + attn[:, :, i] @ v_new)
-        state = state * chunk_decay[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ v_new
+    # unbind, not x[:, :, i]: the backward of one unbind is one stack, while each indexing's backward
+    # would zero-fill and accumulate a full-size gradient (n of them per tensor)
+    per_chunk = zip(*(x.unbind(2) for x in (u, w, q_decayed, attn, k_to_end.transpose(-1, -2), chunk_decay)))
+    for u_i, w_i, q_i, attn_i, k_end_i, decay_i in per_chunk:
+        v_new = u_i - w_i @ state  # each token's correction given the carried state
+        outs.append(q_i @ state + attn_i @ v_new)
+        state = state * decay_i + k_end_i @ v_new
     out = torch.stack(outs, dim=2).reshape(b, h, n * c, dv)[:, :, :t]
     return out.transpose(1, 2).contiguous().to(dtype), state
 
