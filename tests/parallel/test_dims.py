@@ -57,3 +57,20 @@ def test_ep_borrows_the_cp_ranks():
     assert alone.mesh_dims == [("dp_shard", 1), ("cp", 2)] and alone.ep_data_ranks == 1
     assert ParallelConfig(ep=2, dp_shard=2).resolve(2).ep_data_ranks == 2 and not ParallelConfig(
         ep=2, dp_shard=2).resolve(2).ep_spans_cp
+
+
+def test_ep_borrows_part_of_dp_shard_and_works_with_replicas():
+    """ep any divisor of dp_shard: the dp_shard ranks split into (dp_shard_mod_ep, ep), ep innermost;
+    the experts' FSDP mesh is dp_shard_mod_ep (x dp_replicate), none when ep takes all of dp_shard."""
+    from lockstep.parallel.fsdp import expert_mesh
+
+    dims = ParallelConfig(dp_shard=4, ep=2).resolve(4)
+    assert dims.mesh_dims == [("dp_shard_mod_ep", 2), ("ep", 2)] and dims.dp == 4
+    hsdp = ParallelConfig(dp_replicate=2, dp_shard=2, ep=2).resolve(4)
+    assert hsdp.mesh_dims == [("dp_replicate", 2), ("dp_shard_mod_ep", 1), ("ep", 2)]
+    assert hsdp.data_dims == ["dp_replicate", "dp_shard_mod_ep", "ep"]  # every rank reads its own batch
+    fake = {"dp_shard_mod_ep": "mod", ("dp_replicate", "dp_shard_mod_ep"): "hsdp"}  # what each slices
+    assert expert_mesh(fake, dims) == "mod" and expert_mesh(fake, hsdp) == "hsdp"
+    assert expert_mesh(fake, ParallelConfig(dp_shard=2, ep=2).resolve(2)) is None  # each ep rank owns its slice
+    with pytest.raises(ConfigError, match=r"parallel.ep: 3 must divide dp_shard=4"):
+        ParallelConfig(dp_shard=4, ep=3).resolve(4)
