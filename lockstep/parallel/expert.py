@@ -23,7 +23,11 @@ Gradients. After ``backward`` of each rank's *local* mean loss ``L_r``, a replic
 ``dL_r/dw`` and a local expert holds ``sum_r dL_r/dw`` (every rank's tokens routed to it). For the
 global loss ``mean_r L_r``: all-reduce-average the replicated gradients over the ep group and divide
 the expert gradients by ``ep`` (no communication). :func:`sync_expert_parallel_grads` does this
-for plain data parallelism over the ep group.
+for plain data parallelism over the ep group. When ep borrows only part of the data-parallel ranks
+(ep < dp_shard, or with dp_replicate), the ranks holding the same experts average their gradients
+through FSDP (the experts' own units, :func:`lockstep.parallel.fsdp.expert_mesh`); the division by
+``ep`` stays the same. Expert parameters are then DTensors on that mesh: the norm, gather and
+checkpoint helpers below reduce over it before summing or gathering over ep.
 
 State dicts keep the single-process key names (``...feed_forward.experts.w1``) with the local
 slice as value; :func:`gather_full_experts` / :func:`expert_state_dict_full` gather the full
