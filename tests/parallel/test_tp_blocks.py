@@ -18,9 +18,9 @@ def test_ep_with_tp_resolves_to_an_ep_by_tp_mesh():
     assert (dims.dp_shard, dims.ep, dims.tp) == (2, 2, 2)
     assert dims.mesh_dims == [("dp_shard_mod_ep", 1), ("ep", 2), ("tp", 2)]
     assert dims.data_dims == ["dp_shard_mod_ep", "ep"]  # the tp ranks of an ep rank share its tokens
-    # ep still takes all of dp_shard (experts outside FSDP): refused otherwise, naming the field
-    with pytest.raises(ConfigError, match="parallel.ep: expert parallel currently needs ep == dp_shard"):
-        ParallelConfig(tp=2, ep=2, dp_shard=4).resolve(8)
+    # ep may take part of dp_shard (experts FSDP-sharded over the rest: `tp=2 x dp_shard=4 x ep=2 moe`)
+    borrowed = ParallelConfig(tp=2, ep=2, dp_shard=4).resolve(8)
+    assert borrowed.mesh_dims == [("dp_shard_mod_ep", 2), ("ep", 2), ("tp", 2)]
 
 
 @pytest.mark.parametrize("family, tp, message", [
