@@ -47,7 +47,9 @@ class _AttachAuxiliary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
-        return out.view_as(out)
+        # the same storage, but not a view: the split-backward schedules (ZBV, DualPipeV) detach
+        # stage outputs in place, which a view refuses; a clone would copy the logits
+        return out.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
