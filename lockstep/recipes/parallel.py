@@ -44,3 +44,21 @@ def dsv3_mtp_pp_671b() -> TrainerConfig:
     cfg.training.activation_checkpoint = "full"
     cfg.parallel = ParallelConfig(pp=2, dp_shard=-1, ep=32, pp_microbatches=8, fsdp_param_dtype="bfloat16")
     return cfg
+
+
+@recipe("qwen3-moe-64k-cp", "Qwen3-30B-A3B at 64K context, CP4 x FSDP10 (40 ranks) in bf16: for `lockstep plan` "
+        "(Qwen3.5-35B-A3B's Gated DeltaNet recurrence is refused under cp)")
+def qwen3_moe_64k_cp() -> TrainerConfig:
+    """The update's long-context RL model is Qwen3.5-35B-A3B; lockstep refuses context parallel across
+    its Gated DeltaNet layers (a recurrence's state would pass from rank to rank), so the 64K plan
+    on 40 ranks is Qwen3-30B-A3B's. ``max_seq_len`` is raised to 64K; the model card's YaRN scaling
+    beyond 32K is not modelled (lockstep's qwen3 rope has none), which changes no sizes."""
+    cfg = debug()
+    cfg.model = model_config("qwen3_moe", "30B-A3B")
+    cfg.model.max_seq_len = 65536
+    cfg.training.seq_len = 65536
+    cfg.training.batch_size = 10  # one 64K sequence per data-parallel rank
+    cfg.training.dtype = "bfloat16"
+    cfg.training.activation_checkpoint = "full"
+    cfg.parallel = ParallelConfig(cp=4, dp_shard=-1, fsdp_param_dtype="bfloat16")
+    return cfg

@@ -108,3 +108,17 @@ def test_dsv3_671b_rows_fit_an_80_gib_gpu(world, extra):
     assert plan.bubble["fraction"] == pytest.approx(1 / 9)
     assert plan.layout.expert_fsdp == 4
     assert not any("refuses" in n for n in plan.notes)
+
+
+def test_long_context_cp_row_and_the_recurrence_refusal():
+    from lockstep.config.base import ConfigError
+
+    # Qwen3.5's Gated DeltaNet layers are refused under cp with the trainer's own message
+    with pytest.raises(ConfigError, match=r"--cp: parallel.cp: .*layers.0.attention is a GatedDeltaNet"):
+        plan_from_args(["--family", "qwen3_5", "--flavor", "35B-A3B", "--world", "40", "--cp", "8",
+                        "--seq-len", "65536"])
+    plan, _, _ = plan_from_args(["--recipe", "qwen3-moe-64k-cp", "--world", "40"])
+    L = plan.layout
+    assert (L.cp, L.dp_shard, plan.seq_len) == (4, 10, 65536) and not any("refuses" in n for n in plan.notes)
+    assert plan.worst.total_bytes < 80 * 2**30
+    assert {("all-gather", "cp"), ("all-reduce", "cp")} <= {(c.op, c.group) for c in plan.worst.collectives}

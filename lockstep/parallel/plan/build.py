@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from lockstep.config.base import ConfigError
+
 from lockstep.models.common.attention import GroupedQueryAttention as GQA
 from lockstep.models.common.moe import MoE
 from lockstep.models.common.transformer import build_meta_model
@@ -32,6 +34,7 @@ from lockstep.parallel.plan.report import format_plan
 from lockstep.parallel.plan.layout import (AC_MODES, DTYPE_BYTES, SCHEDULES, Layout, ParamPlacement, flag_error,
                                            ffn_is_moe, parse_dtype, place_parameters, stage_layout)
 from lockstep.parallel.plan.memory import fsdp_transient_bytes, fsdp_units, block_activation_bytes
+from lockstep.parallel.plan.schedule import _microbatches, lockstep_refusal, pipeline_bubble
 
 if TYPE_CHECKING:
     from lockstep.models.common.transformer import TransformerConfig
@@ -172,66 +175,6 @@ def _fsdp_index(p: ParamPlacement, coords: dict[str, int], layout: Layout) -> in
     return coords["dp_shard"]
 
 
-def _microbatches(layout: Layout, batch: int, microbatches: int | None, schedule: str, n_layers: int) -> int:
-    """Micro-batches per step (default: the fewest the schedule accepts that divide the local batch),
-    checked by the runner's own :func:`validate_pipeline`."""
-    from lockstep.parallel.pipeline import stages_per_rank, validate_pipeline
-
-    local = batch // layout.dp
-    if layout.pp == 1:
-        if microbatches is not None and (microbatches < 1 or local % microbatches):
-            flag_error("--microbatches", f"{microbatches} does not divide the {local} sequences per data-parallel rank")
-        return microbatches or 1
-    if microbatches is None:
-        need = layout.pp * stages_per_rank(schedule)  # the trainer's default (pp x stages per rank)
-        candidates = [need] + [m for m in range(local, 0, -1) if local % m == 0]
-        for m in candidates:
-            try:
-                validate_pipeline(schedule, layout.pp, m, None, local)
-            except ValueError:
-                continue
-            microbatches = m
-            break
-        else:
-            flag_error("--batch-size", f"{batch} gives {local} sequence(s) per data-parallel rank: no micro-batch "
-                       f"count {schedule} accepts at pp={layout.pp} divides it (the default is {need})")
-    if microbatches < 1:
-        flag_error("--microbatches", f"must be >= 1, got {microbatches}")
-    try:
-        validate_pipeline(schedule, layout.pp, microbatches, n_layers, local)
-    except ValueError as err:
-        flag_error("--microbatches" if "n_microbatches" in str(err) else "--pp", str(err).removeprefix("pp: "))
-    return microbatches
-
-
-def pipeline_bubble(schedule: str, pp: int, microbatches: int) -> dict[str, Any]:
-    """Idle fraction of a pipeline step under ``schedule``, with the time model it assumes.
-
-    Times per micro-batch and stage: forward F, backward B (input grads) + W (weight grads), taken
-    equal (F = B = W, so a full backward is 2F). GPipe / 1F1B: ``(pp-1)(F+B+W)`` idle against
-    ``M(F+B+W)`` busy; Interleaved1F1B with v stages per rank: the same idle against ``vM`` busy
-    stage slots; ZBV (zero-bubble V) idles ``(pp-1)(F+B-2W)`` and DualPipeV ``(pp-1)(F&B+B-3W)``
-    with F&B = F+B (no compute overlap): 0 under F = B = W.
-    """
-    from lockstep.parallel.pipeline import stages_per_rank
-
-    if pp == 1:
-        return {"fraction": 0.0, "formula": "no pipeline", "assumes": ""}
-    v = stages_per_rank(schedule)
-    F = B = W = 1.0
-    busy = microbatches * v * (F + B + W)
-    if schedule in ("GPipe", "1F1B"):
-        idle, formula = (pp - 1) * (F + B + W), "(pp-1) / (M + pp-1)"
-    elif schedule == "Interleaved1F1B":
-        idle, formula = (pp - 1) * (F + B + W), f"(pp-1) / (v*M + pp-1), v={v}"
-    elif schedule == "ZBVZeroBubble":
-        idle, formula = (pp - 1) * (F + B - 2 * W), "(pp-1)(F+B-2W) idle, 0 at F=B=W"
-    else:  # DualPipeV
-        idle, formula = (pp - 1) * ((F + B) + B - 3 * W), "(pp-1)(F&B+B-3W) idle, 0 at F=B=W and F&B=F+B"
-    return {"fraction": idle / (busy + idle), "formula": formula,
-            "assumes": "per-stage times F = B = W (backward = 2 x forward, split into input and weight grads)"}
-
-
 def _validate_model(model: nn.Module, layout: Layout, seq_len: int) -> None:
     cfg = model.config
     n_layers = len(model.layers)
@@ -249,6 +192,13 @@ def _validate_model(model: nn.Module, layout: Layout, seq_len: int) -> None:
         if seq_len % (layout.tp * layout.cp):
             flag_error("--tp", f"{layout.tp} does not divide --seq-len={seq_len} / cp={layout.cp} "
                        "(sequence parallel splits the sequence)")
+    if layout.cp > 1:
+        from lockstep.parallel.context import _refuse_recurrences  # the trainer's own refusal
+
+        try:
+            _refuse_recurrences(model)
+        except ConfigError as err:
+            flag_error("--cp", str(err))
     if layout.cp > 1 and seq_len % (2 * layout.cp):
         flag_error("--cp", f"--seq-len={seq_len} must be divisible by 2 x cp = {2 * layout.cp} "
                    "(causal load balancing: chunks r and 2cp-1-r)")
@@ -419,17 +369,3 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
                 bubble=bubble, pp_split=pp_split, total_params=total,
                 active_params=active, params=params, stages=stages, activation_k=k_report, notes=notes)
 
-
-def lockstep_refusal(layout: Layout, schedule: str = "1F1B", cp_method: str = "allgather") -> str:
-    """Why lockstep's own :class:`ParallelConfig` refuses ``layout`` ('' when it accepts it)."""
-    from lockstep.config.base import ConfigError
-    from lockstep.parallel.dims import ParallelConfig
-
-    pcfg = ParallelConfig(dp_replicate=layout.dp_replicate, dp_shard=layout.dp_shard, tp=layout.tp, ep=layout.ep,
-                          cp=layout.cp, pp=layout.pp, pp_schedule=schedule, cp_method=cp_method)
-    try:
-        pcfg.validate()
-        pcfg.resolve(layout.world)
-    except ConfigError as err:
-        return str(err)
-    return ""

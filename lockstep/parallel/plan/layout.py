@@ -44,7 +44,7 @@ from lockstep.models.common.gated_deltanet import GatedDeltaNet
 from lockstep.models.common.mla import MultiHeadLatentAttention as MLA
 from lockstep.models.common.mlp import SwiGLU
 from lockstep.models.common.moe import GroupedExperts, MoE
-from lockstep.parallel.pipeline import (SCHEDULES, last_stage_pp_rank, layer_ranges,  # the split the runner uses
+from lockstep.parallel.pipeline import (SCHEDULES, last_stage_pp_rank, layer_ranges,  # noqa: F401  (SCHEDULES re-exported)
                                         stage_ids_for_rank, stages_per_rank)
 from lockstep.parallel.pipeline_stage import split_sizes
 from lockstep.config.base import ConfigError
