@@ -63,6 +63,11 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     # V placement: rank 0 holds the first and the last stage (MTP's embedding copy summed locally)
     ("pp=2 ZBVZeroBubble deepseek (MTP)", "debug-deepseek", 2, {"pp": 2, "pp_schedule": "ZBVZeroBubble"},
      FOUR_LAYERS + BALANCING),
+    # world 8: the last stage's MTP heads keep the TP residual stream as DTensors (received hidden
+    # states wrapped back), experts TP-split inside the ep exchange
+    ("pp=2 x dp_shard=2 x tp=2 deepseek (MTP)", "debug-deepseek", 8, {"pp": 2, "dp_shard": 2, "tp": 2}, []),
+    ("pp=2 x dp_shard=2 x ep=2 x tp=2 deepseek (MTP)", "debug-deepseek", 8,
+     {"pp": 2, "dp_shard": 2, "ep": 2, "tp": 2}, BALANCING),
     # EP that borrows part of the data-parallel ranks: experts split over ep=2, FSDP-sharded over the
     # other dp_shard / ep = 2 (dp_shard_mod_ep), and under HSDP replicated over dp_replicate=2
     ("dp_shard=4 x ep=2 moe (experts FSDP over dp_shard_mod_ep)", "debug-moe", 4, {"dp_shard": 4, "ep": 2}, []),
@@ -70,12 +75,16 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
      {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, []),
     ("dp_replicate=2 x dp_shard=2 x ep=2 deepseek (HSDP x EP, MTP)", "debug-deepseek", 4,
      {"dp_replicate": 2, "dp_shard": 2, "ep": 2}, BALANCING),
+    # world 8: each expert's hidden dim over tp, experts over ep, FSDP over dp_shard_mod_ep (2-D DTensors)
+    ("tp=2 x dp_shard=4 x ep=2 moe (experts FSDP x TP)", "debug-moe", 8, {"dp_shard": 4, "ep": 2, "tp": 2}, []),
 ]
 PARAMS_CHECKED |= {"pp=2 moe (aux losses)", "pp=2 deepseek (MTP, dense first)", "pp=2 x ep=2 deepseek (MTP)",
-                   "pp=2 x tp=2 qwen3 (tied)", "pp=2 ZBVZeroBubble deepseek (MTP)"}
+                   "pp=2 x tp=2 qwen3 (tied)", "pp=2 ZBVZeroBubble deepseek (MTP)",
+                   "pp=2 x dp_shard=2 x tp=2 deepseek (MTP)", "pp=2 x dp_shard=2 x ep=2 x tp=2 deepseek (MTP)"}
 PARAMS_CHECKED |= {"dp_shard=4 x ep=2 moe (experts FSDP over dp_shard_mod_ep)",
                    "dp_replicate=2 x dp_shard=2 x ep=2 moe (HSDP x EP)",
-                   "dp_replicate=2 x dp_shard=2 x ep=2 deepseek (HSDP x EP, MTP)"}
+                   "dp_replicate=2 x dp_shard=2 x ep=2 deepseek (HSDP x EP, MTP)",
+                   "tp=2 x dp_shard=4 x ep=2 moe (experts FSDP x TP)"}
 
 # the new families (#16): Gated DeltaNet hybrids (split / grouped projections, output-gated attention,
 # gated shared expert) and GPT-OSS (sinks, sliding windows, biased clamped-SwiGLU experts)
