@@ -401,8 +401,8 @@ def training_loop(savers: dict, cfg, model, optimizer, rank: int, args) -> dict:
     """Train with a save after every step, per async method, and without saves: each iteration's
     time (the step, then the save call, which waits for the previous save if it is still going)
     and the step's compute alone, which is what a background writer slows down. Several passes,
-    the order of methods reversed every other pass (a shared host's load drifts); every rank runs the same steps (FSDP keeps them in
-    lockstep), the slower rank's times count."""
+    the order of methods reversed every other pass (a shared host's load drifts); every rank runs
+    the same steps (FSDP keeps them in lockstep), the slower rank's times count."""
     methods = ["none", *(v for v in LOOP_VARIANTS if v in savers)]
     times: dict[str, dict[str, list[float]]] = {m: {"iter_s": [], "step_s": []} for m in methods}
     step = 10_000

@@ -2,7 +2,6 @@
 (lockstep/checkpoint/background.py); either way it saves."""
 
 import os
-import time
 
 import pytest
 import torch
