@@ -353,6 +353,8 @@ class ParallelRuntime:
             "context_parallel": {"method": self.context.method, "load_balance": "chunks r and 2cp-1-r"}
             if self.context is not None else None,
             "pipeline": {"schedule": self.pipeline.schedule_name, "n_stages": self.pipeline.n_stages,
+                         "layers_per_stage": list(self.pipeline.stage_layers),
+                         "split": config.pp_split if config is not None else None,
                          "stages_on_this_rank": list(self.pipeline.stage_ids)} if self.pipeline is not None else None,
             "experts": self._experts_layout(),
             "mesh": [list(n) for n in self.dims.mesh_dims],
