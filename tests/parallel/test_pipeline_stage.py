@@ -146,3 +146,15 @@ def test_pp_combines_with_tp_and_ep_in_the_config():
     assert (dims.pp, dims.tp, dims.dp_shard) == (2, 2, 1)
     dims = ParallelConfig(pp=2, dp_shard=2, ep=2).resolve(4)
     assert (dims.pp, dims.ep, dims.dp_shard) == (2, 2, 2)
+
+
+@pytest.mark.parametrize("family, flavor", [("qwen3_5", "debug-moe"), ("qwen3_next", "debug"), ("gpt_oss", "debug")])
+def test_hybrid_and_sink_families_split_bitwise(family, flavor):
+    """Gated DeltaNet hybrids, grouped projections and sliding-window sinks: blocks run as the trunk runs them."""
+    model = build_model(model_config(family, flavor), seed=0).train()
+    tokens = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    logits = model(tokens)
+    aux, _ = model.pop_auxiliary()
+    out, report = _run_stages([s.train() for s in split_into_stages(model, 2)], tokens, 1.0)
+    assert torch.equal(out, logits)
+    assert report.aux_losses.keys() == aux.keys()
