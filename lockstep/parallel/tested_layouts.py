@@ -68,6 +68,8 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
     ("pp=2 x dp_shard=2 x tp=2 deepseek (MTP)", "debug-deepseek", 8, {"pp": 2, "dp_shard": 2, "tp": 2}, []),
     ("pp=2 x dp_shard=2 x ep=2 x tp=2 deepseek (MTP)", "debug-deepseek", 8,
      {"pp": 2, "dp_shard": 2, "ep": 2, "tp": 2}, BALANCING),
+    # pp=3: the tied head's gradient is summed over a 2-rank group of the first and last stage's ranks
+    ("pp=3 qwen3 (tied)", "debug-qwen3", 3, {"pp": 3, "pp_microbatches": 4}, ["--model.n-layers", "3"]),
     # EP that borrows part of the data-parallel ranks: experts split over ep=2, FSDP-sharded over the
     # other dp_shard / ep = 2 (dp_shard_mod_ep), and under HSDP replicated over dp_replicate=2
     ("dp_shard=4 x ep=2 moe (experts FSDP over dp_shard_mod_ep)", "debug-moe", 4, {"dp_shard": 4, "ep": 2}, []),
@@ -80,7 +82,8 @@ TESTED_LAYOUTS: list[tuple[str, str, int, dict, list[str]]] = [
 ]
 PARAMS_CHECKED |= {"pp=2 moe (aux losses)", "pp=2 deepseek (MTP, dense first)", "pp=2 x ep=2 deepseek (MTP)",
                    "pp=2 x tp=2 qwen3 (tied)", "pp=2 ZBVZeroBubble deepseek (MTP)",
-                   "pp=2 x dp_shard=2 x tp=2 deepseek (MTP)", "pp=2 x dp_shard=2 x ep=2 x tp=2 deepseek (MTP)"}
+                   "pp=2 x dp_shard=2 x tp=2 deepseek (MTP)", "pp=2 x dp_shard=2 x ep=2 x tp=2 deepseek (MTP)",
+                   "pp=3 qwen3 (tied)"}
 PARAMS_CHECKED |= {"dp_shard=4 x ep=2 moe (experts FSDP over dp_shard_mod_ep)",
                    "dp_replicate=2 x dp_shard=2 x ep=2 moe (HSDP x EP)",
                    "dp_replicate=2 x dp_shard=2 x ep=2 deepseek (HSDP x EP, MTP)",
