@@ -122,3 +122,16 @@ def test_long_context_cp_row_and_the_recurrence_refusal():
     assert (L.cp, L.dp_shard, plan.seq_len) == (4, 10, 65536) and not any("refuses" in n for n in plan.notes)
     assert plan.worst.total_bytes < 80 * 2**30
     assert {("all-gather", "cp"), ("all-reduce", "cp")} <= {(c.op, c.group) for c in plan.worst.collectives}
+
+
+def test_matrix_columns_and_refusals_come_from_the_code():
+    from lockstep.parallel.plan.matrix import COMBOS, _refusal, combo_of
+
+    assert combo_of(4, {"pp": 2, "dp_shard": 2, "ep": 2}) == "pp x ep"
+    assert combo_of(4, {"dp_replicate": 2, "dp_shard": 2, "ep": 2}) == "hsdp x ep"
+    assert combo_of(4, {"dp_shard": 2, "cp": 2, "ep": 4}) == "ep over dp_shard x cp"
+    assert combo_of(2, {"dp_replicate": 2, "dp_shard": 1}) == "hsdp"
+    assert "GatedDeltaNet" in _refusal("qwen3_5", COMBOS["cp"])
+    assert "needs MoE layers" in _refusal("llama3", COMBOS["ep"])
+    assert "pipeline parallel" in _refusal("deepseek_v3", COMBOS["cp x pp"])
+    assert _refusal("deepseek_v3", COMBOS["pp x dp_shard x ep"]) == ""
