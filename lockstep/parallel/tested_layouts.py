@@ -106,13 +106,15 @@ TESTED_LAYOUTS += [
     ("tp=2 x ep=2 gpt_oss", "debug-gptoss", 4, {"dp_shard": 2, "ep": 2, "tp": 2}, []),
     # FSDP over TP: the whole-on-every-rank in_proj_qkv / conv and the DTensor per-head parameters
     ("dp_shard=2 x tp=2 qwen3_5", "debug-qwen35", 4, {"dp_shard": 2, "tp": 2}, []),
+    # Gated DeltaNet (grouped projections) under tp, experts split over ep and their hidden dim over tp
+    ("tp=2 x ep=2 qwen3_next", "debug-qwen3next", 4, {"dp_shard": 2, "ep": 2, "tp": 2}, []),
 ]
 PARAMS_CHECKED |= {"dp_shard=2 qwen3_5", "dp_shard=2 qwen3_next", "dp_shard=2 gpt_oss", "ep=2 x dp_shard=2 qwen3_5 moe",
                    "ep=2 x dp_shard=2 gpt_oss", "dp_replicate=2 x dp_shard=2 qwen3_5 (HSDP)",
                    "tp=2 qwen3_5 (Gated DeltaNet, gated attention)",
                    "tp=2 qwen3_next (grouped projections, expert TP, shared gate)",
                    "tp=2 gpt_oss (sinks, biases, biased experts)", "tp=2 x ep=2 gpt_oss",
-                   "dp_shard=2 x tp=2 qwen3_5"}
+                   "dp_shard=2 x tp=2 qwen3_5", "tp=2 x ep=2 qwen3_next"}
 
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")
 
