@@ -338,6 +338,11 @@ def _refuse_recurrences(model: nn.Module) -> None:
                 f"parallel.cp: context parallel shards each sequence across ranks, but {where}.attention is a "
                 f"{type(mixer).__name__} (a recurrence: its state would have to pass from rank to rank along the "
                 f"sequence), which context parallel does not support; use parallel.cp=1 for {family}")
+        if mixer is not None and (getattr(mixer, "sinks", None) is not None or getattr(mixer, "window", 0)):
+            where = name if name.startswith("mtp") else f"layers.{name}"
+            raise ConfigError(
+                f"parallel.cp: {where}.attention has attention sinks or a sliding window (GPT-OSS), which the "
+                f"context-parallel attention (all-gather / ring) does not implement yet; use parallel.cp=1")
 
 
 class ContextParallel:

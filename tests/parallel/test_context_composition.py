@@ -18,6 +18,12 @@ def test_recurrent_layers_are_refused_by_name(family):
         ContextParallel().install(model)
 
 
+def test_attention_sinks_and_sliding_windows_are_refused_by_name():
+    model = build_model(model_config("gpt_oss", "debug"), seed=0)
+    with pytest.raises(ConfigError, match=r"parallel.cp: layers\.0\.attention has attention sinks or a sliding window"):
+        ContextParallel().install(model)
+
+
 def test_mtp_with_moe_balancing_is_refused_naming_the_fields():
     cfg = model_config("deepseek_v3", "debug")
     cfg.feed_forward.bias_update_speed = 0.01
