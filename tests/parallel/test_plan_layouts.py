@@ -89,6 +89,8 @@ def test_verify_fsdp_through_lockstep_for_the_new_layouts(argv, path):
 def test_dsv3_mtp_pp_recipe_plans_and_verifies(capsys):
     from lockstep.recipes import get_recipe
 
+    for name in ("dsv3-mtp-pp-671b", "qwen3-moe-64k-cp"):  # planning recipes: valid configs too
+        get_recipe(name).config().validate()
     cfg = get_recipe("dsv3-mtp-pp").config()
     cfg.validate()
     par = cfg.parallel.resolve(8)
