@@ -222,13 +222,15 @@ class PipelineRunner:
     or layers per stage. ``tp_mesh``: the tensor-parallel mesh when the stages are TP-sharded (the
     last stage's logits leave sharded on the vocabulary; the loss is loss-parallel -- run ``step``
     under ``loss_parallel()``). ``ep_group``: the expert-parallel group (gradient norms of the
-    rank-local experts are summed over it).
+    rank-local experts are summed over it). ``context``: a ContextParallel (cp > 1): ``step`` takes
+    this rank's sequence shards (``context.shard_batch``), the loss divides by the tokens of the whole
+    sequences (counted over cp) and the reported loss is summed over cp, as ``context.cross_entropy``.
     """
 
     def __init__(self, model: nn.Module, pp_group, *, schedule: str = "1F1B", n_microbatches: int | None = None,
                  parallelize_fn: Callable[[nn.Module], nn.Module | None] | None = None,
                  device: torch.device | str | None = None, split: str | Sequence[int] = "even",
-                 seq_len: int | None = None, tp_mesh=None, ep_group=None) -> None:
+                 seq_len: int | None = None, tp_mesh=None, ep_group=None, context=None) -> None:
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
@@ -259,6 +261,7 @@ class PipelineRunner:
         for part in parts:
             part.aux_state = self.aux_state
         self.tp_mesh, self.ep_group = tp_mesh, ep_group
+        self.context = context if context is not None and context.size > 1 else None
         if parallelize_fn is not None:
             parts = [(parallelize_fn(p) or p) for p in parts]
         if self.schedule_name in V_SCHEDULES:
@@ -294,7 +297,10 @@ class PipelineRunner:
                              f"{inputs.shape[0]} sequences (micro-batches must have equal shapes)")
         # the same float64 arithmetic as Python's ``scale / n_tokens`` (not ``scale * (1 / n)``), kept
         # on the device: no host synchronisation per micro-batch
-        n_tokens = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        n_tokens = (targets != IGNORE_INDEX).sum()
+        if self.context is not None:  # the targets are this rank's shards: count the whole sequences
+            dist.all_reduce(n_tokens, group=self.context.group)
+        n_tokens = n_tokens.clamp(min=1)
         scale64 = torch.full((), scale, dtype=torch.float64, device=targets.device)
         self._loss_state.factor = scale64.div(n_tokens).float()
         aux = torch.full((), scale / self.n_microbatches, dtype=torch.float64, device=targets.device)
@@ -310,7 +316,10 @@ class PipelineRunner:
         run(*args, target=target, losses=losses, tokens=inputs)
         if not self.has_last_stage:
             return None
-        return torch.stack([_local(l.detach()).float() for l in losses]).sum().to(torch.float64)
+        loss = torch.stack([_local(l.detach()).float() for l in losses]).sum().to(torch.float64)
+        if self.context is not None:  # each cp rank's part of the mean: their sum (same ranks' stage)
+            dist.all_reduce(loss, group=self.context.group)
+        return loss
 
     def report(self) -> StageReport:
         """This rank's stages' auxiliary losses and metrics of the last ``step``/``eval_loss``

@@ -115,6 +115,9 @@ class PipelineStageModule(nn.Module):
         self._model_cls = model_cls
         self._mtp_losses: list[torch.Tensor] = []
         self.mtp_context = None  # read by the model class's MTP code (context parallel sets it; pp x cp is refused)
+        #: the ContextParallel when cp > 1 (set by the runtime): inputs are this rank's load-balanced
+        #: sequence shards, rope takes their global positions
+        self.context = None
         #: set by the runner: where auxiliary losses go (None: popped and dropped)
         self.aux_state: AuxiliaryState | None = None
         #: the TP mesh when this stage's blocks keep the residual stream as DTensors (MTP under TP)
@@ -142,7 +145,10 @@ class PipelineStageModule(nn.Module):
                 h = DTensor.from_local(h, self.residual_mesh, [Shard(1)], run_check=False)
         # the whole sequence: under TP a stage receives its sequence shard, attention gathers it
         seq = tokens.shape[1] if tokens is not None else h.shape[1]
-        rope = self.rope.prefix(seq)  # positions 0..T-1, as the full model's default
+        if self.context is not None and self.context.size > 1:  # cp: this rank's chunks r and 2cp-1-r
+            rope = self.rope(self.context.positions(seq * self.context.size, h.device))
+        else:
+            rope = self.rope.prefix(seq)  # positions 0..T-1, as the full model's default
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.is_last:

@@ -146,15 +146,41 @@ class ParallelRuntime:
         from lockstep.parallel.pipeline import PipelineRunner
         from lockstep.parallel.pipeline_parallelize import stage_parallelizer
 
+        parallelize_fn = stage_parallelizer(self.dims, self.mesh, config, activation_checkpoint)
+        if self.dims.cp > 1:
+            parallelize_fn = self._context_stages(model, config, parallelize_fn)
         self.pipeline = PipelineRunner(model, self.mesh["pp"], schedule=config.pp_schedule,
                                        n_microbatches=config.pp_microbatches or None,
-                                       parallelize_fn=stage_parallelizer(self.dims, self.mesh, config,
-                                                                         activation_checkpoint),
+                                       parallelize_fn=parallelize_fn,
                                        device=self.device, split=config.pp_split,
                                        tp_mesh=self.mesh["tp"] if self.dims.tp > 1 else None,
-                                       ep_group=self.mesh["ep"].get_group() if self.dims.ep > 1 else None)
+                                       ep_group=self.mesh["ep"].get_group() if self.dims.ep > 1 else None,
+                                       context=self.context)
         self.model = nn.ModuleList(self.pipeline.model_parts)
         return self.model
+
+    def _context_stages(self, model: nn.Module, config: ParallelConfig, parallelize_fn):
+        """cp x pp: ``parallelize_fn`` followed by CP as the attention wrapper of each stage's layers
+        (over the cp sub-mesh's group; the stage's rope then takes its shard's global positions).
+        Auxiliary losses have no cp x pp form yet (their per-shard parts would be reported, not their
+        sums over cp): MoE and MTP models are refused."""
+        from lockstep.config.base import ConfigError
+        from lockstep.models.common.moe import MoE
+        from lockstep.parallel.context import ContextParallel
+
+        if getattr(model, "mtp", None) is not None or any(isinstance(m, MoE) for m in model.modules()):
+            raise ConfigError(f"parallel.cp: context parallel with pipeline parallel (parallel.pp={self.dims.pp}) "
+                              f"runs dense models only: {type(model).__name__}'s MoE balance / MTP losses are not "
+                              f"combined over the cp ranks of a pipeline stage yet; use parallel.cp=1 or parallel.pp=1")
+        self.context = ContextParallel(self.mesh["cp"].get_group(), method=config.cp_method)
+
+        def parallelize_stage(part: nn.Module) -> nn.Module:
+            part = parallelize_fn(part) or part
+            self.context.install(part)
+            part.context = self.context
+            return part
+
+        return parallelize_stage
 
     # ------------------------------------------------------------------ the step seam
 
@@ -199,6 +225,8 @@ class ParallelRuntime:
             raise ValueError(f"ParallelRuntime: objective {type(objective).__name__}: pipeline and context "
                              f"parallel layouts run the LM objective only")
         if self.pipeline is not None:
+            if self.context is not None:  # cp x pp: shard the sequences, then the schedule splits micro-batches
+                batch = self.context.shard_batch(*batch)[:2]
             return self._pipeline_forward(*batch, accumulate, stage, train)
         if objective is None:
             objective = LMObjective(self.context)

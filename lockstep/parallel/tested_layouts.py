@@ -89,6 +89,12 @@ PARAMS_CHECKED |= {"dp_shard=4 x ep=2 moe (experts FSDP over dp_shard_mod_ep)",
                    "dp_replicate=2 x dp_shard=2 x ep=2 deepseek (HSDP x EP, MTP)",
                    "tp=2 x dp_shard=4 x ep=2 moe (experts FSDP x TP)"}
 
+# cp x pp: the sequences are cp-sharded before the schedule splits micro-batches; each stage's attention
+# runs over the cp group with its shard's global positions, the last stage's loss is the cp one (tokens
+# counted over cp, gradients summed over cp), the tied head's gradient summed between first and last stage
+TESTED_LAYOUTS += [("cp=2 x pp=2 qwen3 (tied)", "debug-qwen3", 4, {"cp": 2, "pp": 2}, [])]
+PARAMS_CHECKED |= {"cp=2 x pp=2 qwen3 (tied)"}
+
 # the new families (#16): Gated DeltaNet hybrids (split / grouped projections, output-gated attention,
 # gated shared expert) and GPT-OSS (sinks, sliding windows, biased clamped-SwiGLU experts)
 TESTED_LAYOUTS += [
