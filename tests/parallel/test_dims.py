@@ -40,8 +40,11 @@ def test_cp_is_a_mesh_dim_but_not_a_data_dim():
     assert dims.data_dims == ["dp_shard"]  # both cp ranks of a replica read the same batch
     cp_tp = ParallelConfig(cp=2, tp=2).resolve(4)  # composes: tp innermost, cp next to it
     assert cp_tp.mesh_dims == [("cp", 2), ("tp", 2)] and cp_tp.data_dims == []
-    with pytest.raises(ConfigError, match=r"parallel.cp: context parallel with pipeline parallel \(parallel.pp=2\)"):
-        ParallelConfig(cp=2, pp=2).resolve(4)
+    cp_pp = ParallelConfig(cp=2, pp=2).resolve(4)  # composes: each stage's ranks split the sequence
+    assert cp_pp.mesh_dims == [("pp", 2), ("cp", 2)] and cp_pp.data_dims == []
+    with pytest.raises(ConfigError, match=r"parallel.cp: context parallel with pipeline parallel and expert "
+                                          r"parallel \(parallel.pp=2, parallel.ep=2\)"):
+        ParallelConfig(cp=2, pp=2, ep=2, dp_shard=1).resolve(4)
     with pytest.raises(ConfigError, match=r"parallel.ep: with context parallel, ep spans dp_shard x cp .* got ep=2, "
                                           r"dp_shard=2, cp=2"):
         ParallelConfig(cp=2, ep=2, dp_shard=2).resolve(4)
