@@ -92,8 +92,11 @@ PARAMS_CHECKED |= {"dp_shard=4 x ep=2 moe (experts FSDP over dp_shard_mod_ep)",
 # cp x pp: the sequences are cp-sharded before the schedule splits micro-batches; each stage's attention
 # runs over the cp group with its shard's global positions, the last stage's loss is the cp one (tokens
 # counted over cp, gradients summed over cp), the tied head's gradient summed between first and last stage
-TESTED_LAYOUTS += [("cp=2 x pp=2 qwen3 (tied)", "debug-qwen3", 4, {"cp": 2, "pp": 2}, [])]
-PARAMS_CHECKED |= {"cp=2 x pp=2 qwen3 (tied)"}
+TESTED_LAYOUTS += [("cp=2 x pp=2 qwen3 (tied)", "debug-qwen3", 4, {"cp": 2, "pp": 2}, []),
+                   ("cp=2 ring x pp=2 Interleaved1F1B", "debug", 4,
+                    {"cp": 2, "cp_method": "ring", "pp": 2, "pp_schedule": "Interleaved1F1B", "pp_microbatches": 2},
+                    FOUR_LAYERS)]
+PARAMS_CHECKED |= {"cp=2 x pp=2 qwen3 (tied)", "cp=2 ring x pp=2 Interleaved1F1B"}
 
 # the new families (#16): Gated DeltaNet hybrids (split / grouped projections, output-gated attention,
 # gated shared expert) and GPT-OSS (sinks, sliding windows, biased clamped-SwiGLU experts)
