@@ -162,16 +162,17 @@ class ParallelRuntime:
     def _context_stages(self, model: nn.Module, config: ParallelConfig, parallelize_fn):
         """cp x pp: ``parallelize_fn`` followed by CP as the attention wrapper of each stage's layers
         (over the cp sub-mesh's group; the stage's rope then takes its shard's global positions).
-        Auxiliary losses have no cp x pp form yet (their per-shard parts would be reported, not their
-        sums over cp): MoE and MTP models are refused."""
+        ``install`` also sets each stage's MoE layers' whole-sequence balance loss and count hooks (their
+        parts are summed over cp in the report, ``_pipeline_forward``). MTP heads on the last stage have
+        no cp x pp form yet: an MTP model is refused."""
         from lockstep.config.base import ConfigError
-        from lockstep.models.common.moe import MoE
         from lockstep.parallel.context import ContextParallel
 
-        if getattr(model, "mtp", None) is not None or any(isinstance(m, MoE) for m in model.modules()):
+        if getattr(model, "mtp", None) is not None and model.config.mtp_loss_weight > 0:
             raise ConfigError(f"parallel.cp: context parallel with pipeline parallel (parallel.pp={self.dims.pp}) "
-                              f"runs dense models only: {type(model).__name__}'s MoE balance / MTP losses are not "
-                              f"combined over the cp ranks of a pipeline stage yet; use parallel.cp=1 or parallel.pp=1")
+                              f"does not run {type(model).__name__}'s MTP heads yet (their shifted tokens and loss "
+                              f"are not cp-sharded on the last stage); set model.mtp_loss_weight=0, or use "
+                              f"parallel.cp=1 or parallel.pp=1")
         self.context = ContextParallel(self.mesh["cp"].get_group(), method=config.cp_method)
 
         def parallelize_stage(part: nn.Module) -> nn.Module:
@@ -250,8 +251,11 @@ class ParallelRuntime:
             else:
                 local = self.pipeline.eval_loss(inputs, targets)
         report = self.pipeline.report()
+        aux = dict(report.aux_losses)
+        if self.context is not None:  # this rank's parts of the whole-sequence values: summed over cp
+            aux = self.context.report_auxiliary(aux)
         # a detached float64 tensor on the device (None off the last stage)
-        return StepLoss(local, dict(report.aux_losses), dict(report.metrics))
+        return StepLoss(local, aux, dict(report.metrics))
 
     def scalars(self) -> StepScalars:
         """An accumulator of a step's scalars, reduced over this runtime's ranks in one collective."""

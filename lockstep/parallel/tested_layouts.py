@@ -95,8 +95,11 @@ PARAMS_CHECKED |= {"dp_shard=4 x ep=2 moe (experts FSDP over dp_shard_mod_ep)",
 TESTED_LAYOUTS += [("cp=2 x pp=2 qwen3 (tied)", "debug-qwen3", 4, {"cp": 2, "pp": 2}, []),
                    ("cp=2 ring x pp=2 Interleaved1F1B", "debug", 4,
                     {"cp": 2, "cp_method": "ring", "pp": 2, "pp_schedule": "Interleaved1F1B", "pp_microbatches": 2},
-                    FOUR_LAYERS)]
-PARAMS_CHECKED |= {"cp=2 x pp=2 qwen3 (tied)", "cp=2 ring x pp=2 Interleaved1F1B"}
+                    FOUR_LAYERS),
+                   # each stage's MoE sequence balance loss and bias counts whole-sequence over cp
+                   ("cp=2 x pp=2 moe (whole-sequence aux loss)", "debug-moe", 4, {"cp": 2, "pp": 2}, BALANCING)]
+PARAMS_CHECKED |= {"cp=2 x pp=2 qwen3 (tied)", "cp=2 ring x pp=2 Interleaved1F1B",
+                   "cp=2 x pp=2 moe (whole-sequence aux loss)"}
 
 # the new families (#16): Gated DeltaNet hybrids (split / grouped projections, output-gated attention,
 # gated shared expert) and GPT-OSS (sinks, sliding windows, biased clamped-SwiGLU experts)
