@@ -160,6 +160,28 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+#: On CPU, reduced-precision ``torch._grouped_mm`` runs one oneDNN matmul per expert, and oneDNN JIT-builds
+#: (~1 ms each) a primitive for every new row count; routing changes after each optimizer step, so an
+#: unpadded model rebuilt hundreds of them per step (~0.5 s of CPU in a tiny model). Padding each
+#: expert's rows to a multiple of this keeps the set of shapes small, so they stay cached.
+_CPU_ROW_BUCKET = 32
+
+
+def _pad_groups(x: torch.Tensor, counts: torch.Tensor,
+                bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [N, D]`` grouped by ``counts`` -> ``(padded, padded_counts, rows)``: each group followed by
+    zero rows up to a multiple of ``bucket``; ``padded[rows]`` is ``x``. Zero rows add exact zeros to
+    the weight gradients and the rows' own results do not depend on the row count (a test pins this
+    bitwise), so the padding changes only speed."""
+    padded_counts = (counts + bucket - 1) // bucket * bucket
+    n = x.shape[0]
+    expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts, output_size=n)
+    shift = (padded_counts.cumsum(0) - padded_counts) - (counts.cumsum(0) - counts)
+    rows = torch.arange(n, device=x.device) + shift[expert]
+    padded = x.new_zeros(int(padded_counts.sum()), x.shape[1]).index_copy(0, rows, x)
+    return padded, padded_counts, rows
+
+
 def _recomputing() -> bool:
     """Whether this forward runs inside a backward pass: an activation checkpoint's recompute (both
     ``torch.utils.checkpoint`` implementations recompute from autograd's engine, which is the only
@@ -230,19 +252,24 @@ class GroupedExperts(nn.Module):
         dtype = x.dtype
         if torch.is_autocast_enabled(x.device.type):  # _grouped_mm is not on autocast's cast lists
             dtype = torch.get_autocast_dtype(x.device.type)
-        offs = counts.cumsum(0).to(torch.int32)
         x = x.to(dtype)
+        rows = None
+        if x.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+            x, counts, rows = _pad_groups(x, counts, _CPU_ROW_BUCKET)
+        offs = counts.cumsum(0).to(torch.int32)
         w1, w2, w3 = (w.to(dtype) for w in self.local_weights())
         gate = _contiguous_grad(torch._grouped_mm(x, w1.mT, offs=offs))
         up = _contiguous_grad(torch._grouped_mm(x, w3.mT, offs=offs))
         if self.b1 is None:
-            return _contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs))
+            out = _contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs))
+            return out if rows is None else out[rows]
         expert = torch.repeat_interleave(torch.arange(self.n_experts, device=x.device), counts,
                                          output_size=x.shape[0])  # each row's expert
         b1, b3, b2 = self.local_biases()
         gate, up = gate + b1.to(dtype)[expert], up + b3.to(dtype)[expert]
         out = _contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs))
-        return out + b2.to(dtype)[expert]
+        out = out + b2.to(dtype)[expert]
+        return out if rows is None else out[rows]
 
     def _loop(self, x: torch.Tensor, counts: torch.Tensor, linear=F.linear) -> torch.Tensor:
         outs = []

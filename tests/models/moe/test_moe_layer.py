@@ -97,6 +97,34 @@ def test_bf16_autocast_grouped_path_runs_in_bf16_and_backprops():
     assert torch.isfinite(moe.experts.w2.grad).all() and moe.experts.w2.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_row_padding_of_grouped_mm_is_bitwise_invisible(monkeypatch, bias):
+    """On CPU, bf16 expert groups are zero-padded to a row multiple (oneDNN primitive reuse): the
+    outputs and every gradient equal the unpadded computation bitwise (bucket 1 pads nothing)."""
+    from lockstep.models.common import moe as moe_mod
+
+    torch.manual_seed(0)
+    experts = moe_mod.GroupedExperts(6, 64, 48, impl="grouped_mm", bias=bias)
+    if bias:
+        for b in (experts.b1, experts.b2, experts.b3):
+            torch.nn.init.normal_(b)
+    x = torch.randn(301, 64)
+    counts = torch.tensor([0, 1, 97, 33, 170, 0])
+    probe = torch.randn(64)
+    results = {}
+    for bucket in (1, 32):
+        monkeypatch.setattr(moe_mod, "_CPU_ROW_BUCKET", bucket)
+        experts.zero_grad()
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = experts(xi, counts)
+        (y.float() * probe).sum().backward()
+        results[bucket] = [y.detach(), xi.grad] + [p.grad for p in experts.parameters()]
+    assert len(results[1]) == (8 if bias else 5)  # y, x.grad, w1-w3 (+ b1-b3)
+    for a, b in zip(results[1], results[32]):
+        assert torch.equal(a, b)
+
+
 def test_forced_balanced_gives_exactly_equal_load_and_uniform_weights():
     moe = _moe(routing="forced_balanced", n_routed_experts=8, n_activated=2)
     assert moe.routing_mode == "forced_balanced"
