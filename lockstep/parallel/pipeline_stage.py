@@ -114,7 +114,8 @@ class PipelineStageModule(nn.Module):
         self.mtp = mtp
         self._model_cls = model_cls
         self._mtp_losses: list[torch.Tensor] = []
-        self.mtp_context = None  # read by the model class's MTP code (context parallel sets it; pp x cp is refused)
+        self.mtp_context = None  # read by the model class's MTP code (``ContextParallel.install`` sets it)
+        self._mtp_values: list[torch.Tensor] = []  # under cp: the whole-sequence per-depth losses
         #: the ContextParallel when cp > 1 (set by the runtime): inputs are this rank's load-balanced
         #: sequence shards, rope takes their global positions
         self.context = None
@@ -164,11 +165,19 @@ class PipelineStageModule(nn.Module):
             return
         if tokens is None:
             raise ValueError("pp: the last stage's MTP heads need the micro-batch's token ids (tokens=)")
+        # the model class's own MTP code, run on this stage (it holds mtp, output and rope by the same names)
+        predict = self._model_cls._mtp_predict
+        cp = self.mtp_context
+        if cp is not None:  # tokens are this rank's shards: shifted by global position, the loss cp's parts
+            positions = cp.positions(tokens.shape[1] * cp.size, tokens.device)
+            parts = [cp.cross_entropy(logits, targets) for logits, targets in predict(self, tokens, positions, None, h)]
+            self._mtp_losses = [part for part, _ in parts]
+            self._mtp_values = [value for _, value in parts]
+            return
         positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
         emb = self.tok_embeddings(tokens)
-        # the model class's own MTP code, run on this stage (it holds mtp, output and rope by the same names)
         self._mtp_losses = [F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-                            for logits, targets in self._model_cls._mtp_predict(self, tokens, positions, emb, h)]
+                            for logits, targets in predict(self, tokens, positions, emb, h)]
 
     def pop_auxiliary(self):
         """``Transformer.pop_auxiliary`` over this stage's modules (MoE terms), plus the MTP loss as
@@ -179,8 +188,9 @@ class PipelineStageModule(nn.Module):
         if self._mtp_losses:
             depth = self.config.n_mtp
             losses["mtp/loss"] = self.config.mtp_loss_weight * torch.stack(self._mtp_losses).sum() / depth
-            metrics.update({f"mtp/loss_{k}": v.detach() for k, v in enumerate(self._mtp_losses, start=1)})
-        self._mtp_losses = []
+            values = self._mtp_values or self._mtp_losses
+            metrics.update({f"mtp/loss_{k}": v.detach() for k, v in enumerate(values, start=1)})
+        self._mtp_losses, self._mtp_values = [], []
         return losses, metrics
 
     def _attach_auxiliary(self, out: torch.Tensor) -> torch.Tensor:

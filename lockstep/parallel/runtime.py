@@ -162,17 +162,11 @@ class ParallelRuntime:
     def _context_stages(self, model: nn.Module, config: ParallelConfig, parallelize_fn):
         """cp x pp: ``parallelize_fn`` followed by CP as the attention wrapper of each stage's layers
         (over the cp sub-mesh's group; the stage's rope then takes its shard's global positions).
-        ``install`` also sets each stage's MoE layers' whole-sequence balance loss and count hooks (their
-        parts are summed over cp in the report, ``_pipeline_forward``). MTP heads on the last stage have
-        no cp x pp form yet: an MTP model is refused."""
-        from lockstep.config.base import ConfigError
+        ``install`` also sets each stage's MoE layers' whole-sequence balance loss and count hooks and
+        the last stage's ``mtp_context`` (MTP's shift by global position, its loss cp's parts); the
+        parts are summed over cp in the report (``_pipeline_forward``)."""
         from lockstep.parallel.context import ContextParallel
 
-        if getattr(model, "mtp", None) is not None and model.config.mtp_loss_weight > 0:
-            raise ConfigError(f"parallel.cp: context parallel with pipeline parallel (parallel.pp={self.dims.pp}) "
-                              f"does not run {type(model).__name__}'s MTP heads yet (their shifted tokens and loss "
-                              f"are not cp-sharded on the last stage); set model.mtp_loss_weight=0, or use "
-                              f"parallel.cp=1 or parallel.pp=1")
         self.context = ContextParallel(self.mesh["cp"].get_group(), method=config.cp_method)
 
         def parallelize_stage(part: nn.Module) -> nn.Module:

@@ -97,9 +97,11 @@ TESTED_LAYOUTS += [("cp=2 x pp=2 qwen3 (tied)", "debug-qwen3", 4, {"cp": 2, "pp"
                     {"cp": 2, "cp_method": "ring", "pp": 2, "pp_schedule": "Interleaved1F1B", "pp_microbatches": 2},
                     FOUR_LAYERS),
                    # each stage's MoE sequence balance loss and bias counts whole-sequence over cp
-                   ("cp=2 x pp=2 moe (whole-sequence aux loss)", "debug-moe", 4, {"cp": 2, "pp": 2}, BALANCING)]
+                   ("cp=2 x pp=2 moe (whole-sequence aux loss)", "debug-moe", 4, {"cp": 2, "pp": 2}, BALANCING),
+                   # the last stage's MTP heads shift by global position across the shard boundary
+                   ("cp=2 x pp=2 deepseek (MLA, MTP)", "debug-deepseek", 4, {"cp": 2, "pp": 2}, [])]
 PARAMS_CHECKED |= {"cp=2 x pp=2 qwen3 (tied)", "cp=2 ring x pp=2 Interleaved1F1B",
-                   "cp=2 x pp=2 moe (whole-sequence aux loss)"}
+                   "cp=2 x pp=2 moe (whole-sequence aux loss)", "cp=2 x pp=2 deepseek (MLA, MTP)"}
 
 # the new families (#16): Gated DeltaNet hybrids (split / grouped projections, output-gated attention,
 # gated shared expert) and GPT-OSS (sinks, sliding windows, biased clamped-SwiGLU experts)
