@@ -70,13 +70,8 @@ class ParallelConfig(Config):
                 f"parallel: dp_replicate={self.dp_replicate} x tp={self.tp} x pp={self.pp} x cp={self.cp} = {others} "
                 f"does not divide the world size {world_size}"
             )
-        if self.cp > 1:
-            # cp x tp composes (heads split by tp, the sequence by cp), ep borrows the cp ranks, and cp x pp
-            # runs each stage's attention over the cp group (dense models: MoE / MTP stages are refused
-            # by ParallelRuntime.parallelize, where the model is known)
-            require(self.pp == 1 or self.ep == 1, "parallel.cp",
-                    f"context parallel with pipeline parallel and expert parallel (parallel.pp={self.pp}, "
-                    f"parallel.ep={self.ep}) is not supported yet")
+        # cp composes with tp (heads split by tp, the sequence by cp), ep (borrowing the cp ranks) and pp
+        # (each stage's attention over the cp group)
         dp_shard = world_size // others if self.dp_shard == -1 else self.dp_shard
         if self.ep > 1 and self.cp > 1:
             # experts split over (dp_shard x cp): every rank of the group owns its slice whole

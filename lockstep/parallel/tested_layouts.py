@@ -99,9 +99,12 @@ TESTED_LAYOUTS += [("cp=2 x pp=2 qwen3 (tied)", "debug-qwen3", 4, {"cp": 2, "pp"
                    # each stage's MoE sequence balance loss and bias counts whole-sequence over cp
                    ("cp=2 x pp=2 moe (whole-sequence aux loss)", "debug-moe", 4, {"cp": 2, "pp": 2}, BALANCING),
                    # the last stage's MTP heads shift by global position across the shard boundary
-                   ("cp=2 x pp=2 deepseek (MLA, MTP)", "debug-deepseek", 4, {"cp": 2, "pp": 2}, [])]
+                   ("cp=2 x pp=2 deepseek (MLA, MTP)", "debug-deepseek", 4, {"cp": 2, "pp": 2}, []),
+                   # each stage's experts split over its cp ranks (ep borrows them), not summed over cp
+                   ("ep=2 over cp=2 x pp=2 moe", "debug-moe", 4, {"cp": 2, "pp": 2, "ep": 2, "dp_shard": 1},
+                    BALANCING)]
 PARAMS_CHECKED |= {"cp=2 x pp=2 qwen3 (tied)", "cp=2 ring x pp=2 Interleaved1F1B",
-                   "cp=2 x pp=2 moe (whole-sequence aux loss)", "cp=2 x pp=2 deepseek (MLA, MTP)"}
+                   "cp=2 x pp=2 moe (whole-sequence aux loss)", "cp=2 x pp=2 deepseek (MLA, MTP)", "ep=2 over cp=2 x pp=2 moe"}
 
 # the new families (#16): Gated DeltaNet hybrids (split / grouped projections, output-gated attention,
 # gated shared expert) and GPT-OSS (sinks, sliding windows, biased clamped-SwiGLU experts)
