@@ -94,7 +94,8 @@ class PipelineStageModule(nn.Module):
     ``forward(x, tokens=None)``: token ids [B, T] on the first stage (embedded here), hidden states
     [B, T, dim] elsewhere (``tokens``: this micro-batch's token ids, needed by MTP on the last
     stage); runs this stage's blocks with rope for positions ``0..T-1`` (as the full model does by
-    default), then the final norm and head on the last stage (logits [B, T, vocab]). Under tensor
+    default; under cp, ``context`` set: the global positions of this rank's shard), then the final
+    norm and head on the last stage (logits [B, T, vocab]). Under tensor
     parallelism outputs leave as local tensors (``residual_mesh``: the TP mesh when this stage's
     plan keeps the residual stream as DTensors, i.e. it has MTP heads; inputs are wrapped back).
     """
