@@ -106,7 +106,8 @@ TESTED_LAYOUTS += [("cp=2 x pp=2 qwen3 (tied)", "debug-qwen3", 4, {"cp": 2, "pp"
                    # world 8: heads by tp, the sequence by cp, the layers by pp (loss-parallel CE over cp)
                    ("cp=2 x pp=2 x tp=2 qwen3 (tied)", "debug-qwen3", 8, {"cp": 2, "pp": 2, "tp": 2}, [])]
 PARAMS_CHECKED |= {"cp=2 x pp=2 x tp=2 qwen3 (tied)", "cp=2 x pp=2 qwen3 (tied)", "cp=2 ring x pp=2 Interleaved1F1B",
-                   "cp=2 x pp=2 moe (whole-sequence aux loss)", "cp=2 x pp=2 deepseek (MLA, MTP)", "ep=2 over cp=2 x pp=2 moe"}
+                   "cp=2 x pp=2 moe (whole-sequence aux loss)", "cp=2 x pp=2 deepseek (MLA, MTP)",
+                   "ep=2 over cp=2 x pp=2 moe"}
 
 # the new families (#16): Gated DeltaNet hybrids (split / grouped projections, output-gated attention,
 # gated shared expert) and GPT-OSS (sinks, sliding windows, biased clamped-SwiGLU experts)
