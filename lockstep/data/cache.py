@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from lockstep.atomic import atomic_open
+
 #: the environment variable naming lockstep's cache folder, and the folder when it is unset
 CACHE_ENV = "LOCKSTEP_CACHE"
 DEFAULT_CACHE = "~/.cache/lockstep"
@@ -39,20 +41,10 @@ def file_lock(path: Path) -> Iterator[None]:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and an atomic rename."""
+    """Write ``data`` to ``path`` atomically (:func:`lockstep.atomic.atomic_open`), creating the folder."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; cache files are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    with atomic_open(path) as handle:
+        handle.write(data)
 
 
 def sha256_file(path: Path) -> str:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from lockstep.checkpoint import CheckpointConfig, storage_from_uri
 from lockstep.checkpoint.checkpointer import latest_step, reading
 from lockstep.checkpoint.writer import complete_steps
+from lockstep.atomic import atomic_open
 from lockstep.config.base import ConfigError
 from lockstep.models.hf.verified import encode_weights
 from lockstep.observe import read_metrics
@@ -146,16 +147,8 @@ def write_atomic(path: Path, data: bytes, what: str) -> None:
     """Write ``data`` to ``path`` through a temporary file, fsync'ed, then renamed: a full disk or a
     crash leaves the old file (or none), never a truncated one that looks whole. An OS error is a
     FilesystemError naming ``path`` and ``what`` was being done."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with atomic_open(path) as handle:
+            handle.write(data)
     except OSError as err:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
         raise FilesystemError(f"{path}: {what} failed: {os_reason(err)}") from None

@@ -189,7 +189,16 @@ def test_disk_full_writing_the_weights(tmp_path, capsys, monkeypatch):
             return Full()
         return real_open(file, mode, *args, **kwargs)
 
+    real_fdopen = os.fdopen
+
+    def fake_fdopen(fd, mode="r", *args, **kwargs):  # lockstep.atomic writes through mkstemp's fd
+        if "model.safetensors" in os.readlink(f"/proc/self/fd/{fd}") and "w" in mode:
+            os.close(fd)
+            return Full()
+        return real_fdopen(fd, mode, *args, **kwargs)
+
     monkeypatch.setattr(builtins, "open", fake_open)
+    monkeypatch.setattr(os, "fdopen", fake_fdopen)
     assert main(["train", *QUIET, "--steps", "1", "--run-dir", str(run)]) == 1
     _one_line(capsys.readouterr().err, f"filesystem error: {run / 'model.safetensors'}: writing the run's weights "
                                        "failed: No space left on device (errno 28)")

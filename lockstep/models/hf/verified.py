@@ -38,6 +38,7 @@ from typing import BinaryIO
 
 import torch
 
+from lockstep.atomic import atomic_open
 from lockstep.config.base import ConfigError
 
 DATA_KEY = "lockstep.data_sha256"
@@ -171,21 +172,11 @@ def write_weights(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str]
     rename: a full disk leaves no truncated file behind); returns its data checksum. An OS error is
     a WeightsError naming the file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as out:
+        with atomic_open(path) as out:
             digest = _write(out, tensors, metadata, str(path))
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
-        if isinstance(err, OSError):
-            raise WeightsError(f"{path}: writing the weights failed: {err.strerror or err}") from None
-        raise
+    except OSError as err:
+        raise WeightsError(f"{path}: writing the weights failed: {err.strerror or err}") from None
     return digest
 
 
