@@ -15,6 +15,15 @@ from pathlib import Path
 from typing import BinaryIO
 
 
+class FilesystemError(RuntimeError):
+    """Creating, writing or reading a run's files failed; the message names the path and the operation."""
+
+
+def os_reason(err: OSError) -> str:
+    """``strerror (errno N)``: the OS's reason, without Python's repetition of the path."""
+    return f"{err.strerror} (errno {err.errno})" if err.strerror else str(err)
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike[str], mode: int = 0o644) -> Iterator[BinaryIO]:
     """A binary handle whose contents replace ``path`` when the block ends without an exception;

@@ -12,12 +12,12 @@ import dataclasses
 import enum
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from lockstep.atomic import atomic_open
 
 try:  # numpy is a dependency, but keep observe importable without it.
     import numpy as np
@@ -70,22 +70,11 @@ def to_jsonable(value: Any, key: str = "", nonfinite: list[str] | None = None) -
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same folder, fsync, then rename."""
+    """Write ``text`` to ``path`` atomically (:func:`lockstep.atomic.atomic_open`), creating the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    with atomic_open(path) as f:
+        f.write(text.encode("utf-8"))
 
 
 def atomic_write_json(path: Path, obj: Any) -> None:

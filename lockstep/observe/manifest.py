@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lockstep.atomic import FilesystemError, os_reason
 from lockstep.observe._io import atomic_write_json, to_jsonable
 from lockstep.observe._sysinfo import cpu_flags, cpu_model, total_memory_bytes, usable_cores
 from lockstep.ops import isa
@@ -146,7 +147,10 @@ class RunManifest:
 
     def write(self) -> Path:
         """Write the manifest atomically; returns its path."""
-        atomic_write_json(self.path, self.to_dict())
+        try:
+            atomic_write_json(self.path, self.to_dict())
+        except OSError as err:
+            raise FilesystemError(f"{self.path}: writing the run manifest failed: {os_reason(err)}") from None
         return self.path
 
     def add_check(self, name: str, passed: bool, **details: Any) -> None:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from lockstep.checkpoint import CheckpointConfig, storage_from_uri
 from lockstep.checkpoint.checkpointer import latest_step, reading
 from lockstep.checkpoint.writer import complete_steps
-from lockstep.atomic import atomic_open
+from lockstep.atomic import FilesystemError, atomic_open, os_reason  # noqa: F401 (re-exported)
 from lockstep.config.base import ConfigError
 from lockstep.models.hf.verified import encode_weights
 from lockstep.observe import read_metrics
@@ -29,15 +29,6 @@ from lockstep.observe import read_metrics
 
 def default_run_dir(recipe: str) -> Path:
     return Path("runs") / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-class FilesystemError(RuntimeError):
-    """Creating, writing or reading a run's files failed; the message names the path and the operation."""
-
-
-def os_reason(err: OSError) -> str:
-    """``strerror (errno N)``: the OS's reason, without Python's repetition of the path."""
-    return f"{err.strerror} (errno {err.errno})" if err.strerror else str(err)
 
 
 def has_checkpoint(config: CheckpointConfig, run_dir: Path) -> int | None:

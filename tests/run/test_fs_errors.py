@@ -223,3 +223,28 @@ def test_disk_full_writing_the_metrics(tmp_path, capsys, monkeypatch):
     _one_line(capsys.readouterr().err, f"{run / 'metrics.jsonl'}: writing a metrics record failed: "
                                        "No space left on device (errno 28)")
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_disk_full_writing_the_manifest(tmp_path, capsys, monkeypatch):
+    run = tmp_path / "run"
+
+    class Full(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    real_fdopen = os.fdopen
+
+    def fake_fdopen(fd, mode="r", *args, **kwargs):  # lockstep.atomic writes through mkstemp's fd
+        if "manifest.json" in os.readlink(f"/proc/self/fd/{fd}") and "w" in mode:
+            os.close(fd)
+            return Full()
+        return real_fdopen(fd, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "fdopen", fake_fdopen)
+    assert main(["train", *QUIET, "--steps", "1", "--run-dir", str(run)]) == 1
+    _one_line(capsys.readouterr().err, f"filesystem error: {run / 'manifest.json'}: writing the run manifest "
+                                       "failed: No space left on device (errno 28)")
+    assert not [p.name for p in run.iterdir() if "manifest.json" in p.name]  # no truncated file left
