@@ -55,8 +55,11 @@ def cmd_rl(argv: list[str]) -> int:
 
     if config.world_size > 1 and world_size_from_env() == 1:
         return relaunch_with_torchrun(config.world_size, ["rl", *argv])
+    from lockstep.rl.heartbeat import reset_lost
     from lockstep.rl.liveness import PeerLost, peer_lost
     from lockstep.rl.loop import run_rl
+
+    reset_lost()
 
     try:
         result = run_rl(config)

@@ -33,6 +33,13 @@ def mark_lost() -> None:
     _any_lost = True
 
 
+def reset_lost() -> None:
+    """Forget losses of an earlier run in this process (``lockstep rl`` called in-process twice, e.g. by
+    tests): a stale flag would make the next run leave through ``os._exit``."""
+    global _any_lost
+    _any_lost = False
+
+
 @dataclass
 class Loss:
     rank: int

@@ -302,3 +302,22 @@ def test_trainer_end_reports_a_silent_or_closed_generator(fault, capfd):
         live.close()
         if "sock" in box:
             box["sock"].close()
+
+
+def test_a_loss_in_an_earlier_in_process_run_does_not_end_the_next_one(tmp_path, monkeypatch):
+    """The lost-peer flag is per run: left set (by an earlier run or test in this process), it made the next
+    in-process ``lockstep rl`` leave through os._exit, killing the caller (a pytest worker)."""
+    from lockstep.cli import main
+    from lockstep.rl.heartbeat import mark_lost, peer_lost, reset_lost
+
+    def no_exit(code):
+        raise AssertionError(f"lockstep rl left the process through os._exit({code})")
+
+    monkeypatch.setattr(os, "_exit", no_exit)
+    mark_lost()
+    try:
+        assert main(["rl", "--recipe", "rl-debug", "--run-dir", str(tmp_path / "rl"), "--steps", "1",
+                     "--workers.generators", "0", "--output.no-progress", "--output.no-save-weights"]) == 0
+        assert not peer_lost()
+    finally:
+        reset_lost()
