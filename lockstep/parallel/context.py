@@ -326,7 +326,9 @@ _RingAttention.backward = staticmethod(_no_autocast(_RingAttention.backward))
 # ----------------------------------------------------------------------------- the context object
 
 
-def _refuse_recurrences(model: nn.Module) -> None:
+def refuse_unsupported_mixers(model: nn.Module) -> None:
+    """ConfigError naming ``parallel.cp`` for a block context parallel cannot shard: a recurrent sequence
+    mixer (Gated DeltaNet), or attention with sinks or a sliding window. The planner asks the same."""
     blocks = dict(getattr(model, "layers", {}).items())
     blocks.update({f"mtp.{k}.block": layer.block for k, layer in (getattr(model, "mtp", None) or {}).items()})
     for name, block in blocks.items():
@@ -409,7 +411,7 @@ class ContextParallel:
         Distributed (cp > 1), the MoE layers' whole-sequence loss and count hooks are set too
         (:mod:`lockstep.parallel.context_losses`). A sequence mixer that is not attention (a
         recurrence) is refused: its state would have to pass from rank to rank along the sequence."""
-        _refuse_recurrences(model)
+        refuse_unsupported_mixers(model)
         layers = list(attention_layers(model))
         if not layers:
             raise ValueError("context parallel: the model has no attention layer (an ops.attention.AttentionLayer)")

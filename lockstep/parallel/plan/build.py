@@ -193,10 +193,10 @@ def _validate_model(model: nn.Module, layout: Layout, seq_len: int) -> None:
             flag_error("--tp", f"{layout.tp} does not divide --seq-len={seq_len} / cp={layout.cp} "
                        "(sequence parallel splits the sequence)")
     if layout.cp > 1:
-        from lockstep.parallel.context import _refuse_recurrences  # the trainer's own refusal
+        from lockstep.parallel.context import refuse_unsupported_mixers  # the trainer's own refusal
 
         try:
-            _refuse_recurrences(model)
+            refuse_unsupported_mixers(model)
         except ConfigError as err:
             flag_error("--cp", str(err))
     if layout.cp > 1 and seq_len % (2 * layout.cp):

@@ -72,7 +72,7 @@ def _refusal(family: str, degrees: dict) -> str:
     from lockstep.models.common.moe import MoE
     from lockstep.models.common.transformer import build_meta_model
     from lockstep.models.registry import model_config
-    from lockstep.parallel.context import _refuse_recurrences
+    from lockstep.parallel.context import refuse_unsupported_mixers
     from lockstep.parallel.dims import ParallelConfig
     from lockstep.parallel.pipeline_stage import check_splittable
 
@@ -87,7 +87,7 @@ def _refusal(family: str, degrees: dict) -> str:
         if degrees.get("ep", 1) > 1 and not any(isinstance(m, MoE) for m in model.modules()):
             raise ConfigError(f"parallel.ep: {degrees['ep']} needs MoE layers, but the model has none")
         if degrees.get("cp", 1) > 1:
-            _refuse_recurrences(model)
+            refuse_unsupported_mixers(model)
         if degrees.get("pp", 1) > 1:
             try:
                 check_splittable(model)
