@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from lockstep.config.base import Config, ConfigError
 
@@ -31,6 +31,22 @@ class ComponentOverride(Config):
         self.config.validate(f"{path}.config")
 
 
+def match_module_globs(paths: Iterable[str], patterns: list[str], field: str) -> dict[str, list[str]]:
+    """Each glob in ``patterns`` -> the module paths it matches (``fnmatch``, case-sensitive), in path
+    order. A glob that matches nothing is a ConfigError naming ``field``: the one matching rule of
+    overrides, compiled modules and activation save regions."""
+    paths = list(paths)
+    result: dict[str, list[str]] = {}
+    for pattern in patterns:
+        if not pattern:
+            raise ConfigError(f"{field}: must be a non-empty glob")
+        matched = [p for p in paths if fnmatch.fnmatchcase(p, pattern)]
+        if not matched:
+            raise ConfigError(f"{field}: {pattern!r} matches no module; module paths look like {sorted(paths)[:6]}")
+        result[pattern] = matched
+    return result
+
+
 def apply_overrides(
     slots: Mapping[str, Config], overrides: list[ComponentOverride]
 ) -> dict[str, Config]:
@@ -38,12 +54,7 @@ def apply_overrides(
     result = dict(slots)
     owner: dict[str, str] = {}
     for override in overrides:
-        matched = [p for p in slots if fnmatch.fnmatchcase(p, override.pattern)]
-        if not matched:
-            raise ConfigError(
-                f"override {override.pattern!r} matches no module; "
-                f"module paths look like {sorted(slots)[:6]}"
-            )
+        matched = match_module_globs(slots, [override.pattern], f"override {override.pattern!r}")[override.pattern]
         for path in matched:
             if path in owner:
                 raise ConfigError(

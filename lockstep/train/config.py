@@ -6,8 +6,10 @@ import dataclasses
 
 from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.config.base import ALLOW_INF, Config, ConfigError, require, require_choice, require_positive
+from lockstep.compile.config import CompileConfig
 from lockstep.config.run import RunConfig
 from lockstep.data.config import DataConfig
+from lockstep.graph.config import GraphConfig
 from lockstep.models.common.transformer import TransformerConfig
 from lockstep.numerics import NumericsConfig
 from lockstep.parallel.dims import ParallelConfig
@@ -16,6 +18,7 @@ from lockstep.run.nonfinite import validate_nonfinite
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
 DTYPES = ["float32", "bfloat16"]
+TRAINING_MODES = ["eager", "graph"]
 
 
 def require_batch_invariant_on_cpu(numerics: NumericsConfig, device: str, device_field: str = "training.device") -> None:
@@ -51,6 +54,9 @@ class TrainingConfig(Config):
     dtype: str = "float32"
     #: torch intra-op threads; 0 keeps torch's default
     threads: int = 0
+    #: how a micro-batch's forward + backward runs: "eager" (autograd) or "graph" (captured once per
+    #: shape as one FX graph, rewritten by the ``graph`` section's passes; bitwise equal to eager by default)
+    mode: str = "eager"
     #: activation checkpointing per block: "none", "full" or "selective" (keep matmul/attention outputs)
     activation_checkpoint: str = "none"
     #: where the model, batches and autocast live: "auto" (CUDA when available), "cpu" or "cuda"
@@ -67,6 +73,7 @@ class TrainingConfig(Config):
         require(self.max_grad_norm >= 0, f"{path}.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         require_choice(self.dtype, DTYPES, f"{path}.dtype")
         require(self.threads >= 0, f"{path}.threads", f"must be >= 0, got {self.threads}")
+        require_choice(self.mode, TRAINING_MODES, f"{path}.mode")
         require_choice(self.activation_checkpoint, ["none", "full", "selective"], f"{path}.activation_checkpoint")
         validate_device(self.device, f"{path}.device")
         validate_nonfinite(self.on_nonfinite, self.max_rollbacks, path)
@@ -126,6 +133,10 @@ class TrainerConfig(RunConfig):
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     #: numerics switches (batch-invariant kernels)
     numerics: NumericsConfig = dataclasses.field(default_factory=NumericsConfig)
+    #: the captured training step's passes and debugging (training.mode = "graph")
+    graph: GraphConfig = dataclasses.field(default_factory=GraphConfig)
+    #: selective compilation: named regions and whole blocks
+    compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
     #: names of the model-config transforms that were applied, in order (recorded, not re-applied)
     transforms: list[str] = dataclasses.field(default_factory=list)
 
@@ -151,6 +162,8 @@ class TrainerConfig(RunConfig):
         self.parallel.validate("parallel")
         self.checkpoint.validate("checkpoint")
         self.numerics.validate("numerics")
+        self.graph.validate("graph")
+        self.compile.validate("compile")
         require_batch_invariant_on_cpu(self.numerics, self.training.device)
         if self.numerics.batch_invariant:
             require(self.parallel.tp == 1 and self.parallel.cp == 1 and self.parallel.pp == 1,

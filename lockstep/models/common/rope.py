@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lockstep.config.base import Config, require, require_choice, require_positive
+from lockstep.graph.state import is_capturing
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -90,11 +91,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [..., T, head_dim] for integer positions [..., T].
 
-        The bound check reads a tensor value, so it is skipped while torch.compile traces (it would
-        break the graph and recompile for every new position); a compiled caller checks positions
+        The bound check reads a tensor value, so it is skipped while torch.compile or a graph capture traces
+        (it would break the graph, or bake one batch's value into it); a compiled caller checks positions
         itself (the generation engine caps every sequence at max_seq_len before it runs).
         """
-        if positions.numel() and not torch.compiler.is_compiling() and int(positions.max()) >= self.max_seq_len:
+        if positions.numel() and not is_capturing() and int(positions.max()) >= self.max_seq_len:
             raise ValueError(
                 f"position {int(positions.max())} is beyond max_seq_len={self.max_seq_len}"
             )

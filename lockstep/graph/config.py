@@ -1,0 +1,35 @@
+"""The ``graph`` section of a run's config: which passes rewrite the captured step, and its debugging aids."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lockstep.config.base import Config, require
+
+
+@dataclasses.dataclass(kw_only=True)
+class GraphConfig(Config):
+    """Passes and debugging of the captured training step (used when ``training.mode = "graph"``)."""
+
+    #: opt-in passes to enable by name, on top of the default ones (e.g. "inductor"); unknown names are errors
+    enable: list[str] = dataclasses.field(default_factory=list)
+    #: default passes to turn off by name; unknown names are errors
+    disable: list[str] = dataclasses.field(default_factory=list)
+    #: write the graph after each pass here (readable code + a per-block summary); "" = off
+    dump_dir: str = ""
+    #: run eager and graph side by side for this many steps and report the first diverging node (0 = off)
+    check_steps: int = 0
+    #: activation budget of the memory pass, as a fraction of what the unmodified graph saves for
+    #: backward (0 = off: the default policy; 1 = save everything)
+    memory_budget: float = 0.0
+
+    def validate(self, path: str = "graph") -> None:
+        require(self.check_steps >= 0, f"{path}.check_steps", f"must be >= 0, got {self.check_steps}")
+        require(0.0 <= self.memory_budget <= 1.0, f"{path}.memory_budget",
+                f"must be in [0, 1] (a fraction of the saved activations), got {self.memory_budget}")
+        both = sorted(set(self.enable) & set(self.disable))
+        require(not both, f"{path}.enable", f"passes {both} are both enabled and disabled")
+        from lockstep.graph.passes import check_pass_names  # the registry names the known passes
+
+        check_pass_names(self.enable, f"{path}.enable")
+        check_pass_names(self.disable, f"{path}.disable")
