@@ -59,12 +59,22 @@ def register_pass(graph_pass: GraphPass) -> GraphPass:
     return graph_pass
 
 
+#: modules imported first, in this order, so their passes run in this order (a pass module's import
+#: registers it); other modules in this package follow alphabetically, before the numerics-changing
+#: "inductor", which compiles what the others produced and so runs last
+_PIPELINE_ORDER = ("cleanup", "memory", "recompute", "bucketing")
+_LAST = ("inductor",)
+
+
 def _ensure_loaded() -> None:
     import importlib
     import pkgutil
 
-    for info in pkgutil.iter_modules(__path__):
-        importlib.import_module(f"{__name__}.{info.name}")
+    found = {info.name for info in pkgutil.iter_modules(__path__)}
+    middle = sorted(found - set(_PIPELINE_ORDER) - set(_LAST))
+    for name in (*_PIPELINE_ORDER, *middle, *_LAST):
+        if name in found:
+            importlib.import_module(f"{__name__}.{name}")
 
 
 def registered_passes() -> dict[str, GraphPass]:
