@@ -1,0 +1,102 @@
+"""Memory measures for benchmarks/compile_and_remat.py: what one training micro-step holds.
+
+Three measures, each named in the benchmark's table so they are never mixed up:
+
+- ``step_peak_bytes``: the CPU allocator's peak during one micro-batch's forward + backward
+  (``runtime.loss_and_backward``), above what was allocated when it started. Read from the
+  profiler's allocation events (``profile_memory=True``: every allocation and free with the running
+  total), so it works alike for eager, checkpointed and captured-graph steps. It includes the
+  gradients the backward allocates (the same bytes in every variant of one model: ``.grad`` is
+  None at the start) and the transient buffers of the largest op.
+- ``held_after_forward_bytes``: net bytes the allocator still holds after an eager forward (the
+  activations autograd keeps for backward, plus the loss): ``activation_bytes_after_forward``.
+  Eager modes only: a captured graph has no point between forward and backward.
+- ``graph_saved_bytes``: what the graph trainer's memory pass says the captured forward saves for
+  backward (its own record, computed from node shapes; not a measurement).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def _allocation_events(prof) -> list[tuple[int, int]]:
+    """(time ns, bytes allocated (+) or freed (-)) of every allocation event, in time order."""
+    from torch._C._profiler import _EventType
+
+    events: list[tuple[int, int]] = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        if event.tag == _EventType.Allocation:
+            events.append((event.start_time_ns, int(event.extra_fields.alloc_size)))
+        stack.extend(event.children)
+    events.sort()
+    return events
+
+
+def allocator_peak_bytes(fn) -> int:
+    """Peak of the CPU allocator's running total during ``fn()``, above its value at the start."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    running = peak = 0
+    for _, size in _allocation_events(prof):
+        running += size
+        peak = max(peak, running)
+    return peak
+
+
+def step_peak_bytes(trainer) -> int:
+    """``step_peak_bytes`` (module docstring) of one micro-batch of ``trainer``'s next batch."""
+    batch = next(trainer.bench_batches)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    peak = allocator_peak_bytes(lambda: trainer.runtime.loss_and_backward(batch, 1))
+    trainer.optimizer.zero_grad(set_to_none=True)  # measured, never applied
+    return peak
+
+
+def held_after_forward_bytes(trainer) -> int:
+    """``held_after_forward_bytes`` (module docstring) of an eager trainer's forward."""
+    from lockstep.parallel.checkpointing import activation_bytes_after_forward
+    from lockstep.run.objective import LMObjective
+
+    inputs, targets = trainer.runtime.to_device(*next(trainer.bench_batches))
+    kept: list[torch.Tensor] = []
+
+    def forward() -> None:
+        with trainer.runtime.autocast():
+            loss, _ = LMObjective()(trainer.model, (inputs, targets))
+        kept.append(loss)  # alive until measured: the autograd graph holds the saved activations
+
+    held = activation_bytes_after_forward(forward)
+    kept.clear()
+    return held
+
+
+def graph_saved_bytes(trainer) -> int | None:
+    """The memory pass's saved-bytes record of a graph trainer, or None when none is found."""
+    for records in _graph_records(trainer):
+        memory = records.get("memory") or {}
+        for key in ("saved_bytes", "saved_bytes_after", "kept_bytes"):
+            if isinstance(memory.get(key), (int, float)):
+                return int(memory[key])
+    return None
+
+
+def _graph_records(trainer):
+    """Per-pass record dicts reachable from the trainer's runtime (the graph step's PassContext)."""
+    seen: set[int] = set()
+    stack = [trainer.runtime, trainer]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or obj is None:
+            continue
+        seen.add(id(obj))
+        records = getattr(obj, "records", None)
+        if isinstance(records, dict):
+            yield records
+        for name in ("graph", "graph_step", "graph_trainer", "step_graph", "context", "ctx", "pass_context"):
+            child = getattr(obj, name, None)
+            if child is not None and not isinstance(child, (torch.Tensor, str, int, float)):
+                stack.append(child)
