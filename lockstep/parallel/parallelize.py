@@ -9,6 +9,7 @@ DeepSeek's MTP layers take the plans of :mod:`lockstep.parallel.tp_blocks`.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -29,7 +30,7 @@ from lockstep.models.common.moe import MoE
 from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.expert import apply_expert_parallel, expert_parameters
-from lockstep.parallel.fsdp import apply_fsdp, dp_mesh, expert_mesh
+from lockstep.parallel.fsdp import DTYPES, apply_fsdp, dp_mesh, expert_mesh
 from lockstep.parallel.tp_blocks import (check_tp_divides, gated_deltanet_plan, install_mla_hooks, install_moe_tp,
                                         install_mtp_tp, mla_plan, moe_plan, replicate_auxiliary_losses, sinks_tp)
 
@@ -132,14 +133,18 @@ def _require_tp_blocks(model: nn.Module) -> None:
 
 
 def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: ParallelConfig,
-                      activation_checkpoint: str = "none") -> nn.Module:
+                      activation_checkpoint: str = "none", *, traceable: bool = False) -> nn.Module:
     """Apply TP (if tp > 1), activation checkpointing, then FSDP2 (if dp > 1), in place.
 
     The order matters: TP plans name modules inside blocks (before AC wraps them), and FSDP units
-    must be the (wrapped) blocks.
+    must be the (wrapped) blocks. ``traceable`` (the graph trainer): data parallelism by
+    :mod:`lockstep.graph.simple_fsdp` instead of FSDP2 (the same sharded parameters, gathered by
+    functional collectives a capture records); dp_shard / dp_replicate only.
     """
     cfg = model.config
     dims.check_model(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size)
+    if traceable:
+        return _parallelize_traceable(model, dims, mesh, config, activation_checkpoint)
     _share_expert_counts(model, dims, mesh)
     expert_params: set[nn.Parameter] | None = None
     if dims.ep > 1:
@@ -155,4 +160,20 @@ def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: Parall
     if dims.dp > 1:
         apply_fsdp(model, list(model.layers.values()), dp_mesh(mesh, dims), config.fsdp_param_dtype,
                    config.reshard_after_forward, ignored_params=expert_params, experts_mesh=experts_mesh)
+    return model
+
+
+def _parallelize_traceable(model: nn.Module, dims: ParallelDims, mesh, config: ParallelConfig,
+                           activation_checkpoint: str) -> nn.Module:
+    """Activation checkpointing, then traceable FSDP over the data-parallel mesh (if dp > 1)."""
+    from lockstep.graph.simple_fsdp import simple_fsdp
+
+    for name in ("tp", "ep", "cp", "pp"):
+        if getattr(dims, name) > 1:
+            raise ConfigError(f"parallel.{name}: training.mode=graph (traceable FSDP) supports dp_shard and "
+                              f"dp_replicate only, got {name}={getattr(dims, name)}")
+    _share_expert_counts(model, dims, mesh)
+    apply_activation_checkpointing(model, activation_checkpoint)
+    if dims.dp > 1:
+        simple_fsdp(model, dp_mesh(mesh, dims), DTYPES[config.fsdp_param_dtype], reduce_dtype=torch.float32)
     return model
