@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from lockstep.config.base import Config, require_choice
+from lockstep.compile.local import BACKENDS, check_batch_invariant, check_region_names
+from lockstep.config.base import Config, ConfigError, require_choice
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -19,7 +20,14 @@ class CompileConfig(Config):
     backend: str = "inductor"
 
     def validate(self, path: str = "compile") -> None:
-        require_choice(self.backend, ["inductor", "aot_eager"], f"{path}.backend")
-        from lockstep.compile.local import check_region_names  # the registry names the known regions
-
+        require_choice(self.backend, list(BACKENDS), f"{path}.backend")
         check_region_names(self.regions, f"{path}.regions")
+
+    def check_batch_invariant(self, batch_invariant: bool, path: str = "compile") -> None:
+        """Refuse what would break ``numerics.batch_invariant``: regions not declared batch-invariant,
+        and whole-block compilation (it re-tiles the blocks' matmuls and reductions)."""
+        check_batch_invariant(self.regions, batch_invariant, f"{path}.regions")
+        if batch_invariant and self.modules:
+            raise ConfigError(
+                f"{path}.modules: whole-block compilation re-tiles the blocks' matmuls and reductions, whose "
+                f"order numerics.batch_invariant=true fixes; set {path}.modules=[] or numerics.batch_invariant=false")

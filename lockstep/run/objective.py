@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep.compile.local import local_compile
 from lockstep.run.step import StepLoss
 
 
@@ -28,6 +29,7 @@ class Objective(Protocol):
         ...
 
 
+@local_compile("loss")
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy, computed in fp32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from lockstep import numerics
+from lockstep.compile.blocks import apply_compile
 from lockstep.config.base import ConfigError, to_dict
 from lockstep.data.config import DataBundle
 from lockstep.models.common.transformer import Transformer, build_model
@@ -102,6 +103,7 @@ class Trainer:
 
                 self.agreement = measure_agreement(model, seed=config.seed)
         self.model: Transformer = self.runtime.parallelize(model, config.parallel, cfg.activation_checkpoint)
+        apply_compile(self.model, config.compile, batch_invariant=config.numerics.batch_invariant)
         self.pipeline = self.runtime.pipeline  # None unless pp > 1: then self.model holds this rank's stages
         self.optimizer = config.optimizer.build(self.model)
         self.lr_at = config.lr_schedule.build(peak_lr=config.optimizer.lr, total_steps=config.steps)

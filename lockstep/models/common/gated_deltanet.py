@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep import numerics
+from lockstep.compile.local import local_compile
 from lockstep.config.base import require, require_choice, require_positive
 from lockstep.models.common.attention import AttentionConfig
 from lockstep.models.common.delta_rule import (
@@ -196,8 +197,7 @@ class GatedDeltaNet(nn.Module):
         if self.n_v != self.n_k:  # each key head serves n_v / n_k consecutive value heads
             q = q.repeat_interleave(self.n_v // self.n_k, dim=2)
             k = k.repeat_interleave(self.n_v // self.n_k, dim=2)
-        beta = numerics.rowwise(torch.sigmoid, b)
-        g = -numerics.rowwise(torch.exp, A_log.float()) * numerics.rowwise(F.softplus, a.float() + dt_bias)
+        beta, g = gated_deltanet_gate(b, a, A_log, dt_bias)
         if lengths is not None:  # right padding of a batched prefill: no decay, no write
             real = torch.arange(seq, device=x.device)[None] < lengths[:, None]
             g, beta = g * real[..., None], beta * real[..., None]
@@ -212,6 +212,16 @@ class GatedDeltaNet(nn.Module):
             cache.set_recurrent_state(next_window, state)
         out = self.norm(out.to(x.dtype), z)
         return self.wo(out.reshape(bsz, seq, self.value_dim))
+
+
+@local_compile("gated_deltanet_gate")
+def gated_deltanet_gate(b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The write strength ``beta = sigmoid(b)`` and the log-decay ``g = -exp(A_log) * softplus(a + dt_bias)``
+    (rowwise: batch-invariant mode)."""
+    beta = numerics.rowwise(torch.sigmoid, b)
+    g = -numerics.rowwise(torch.exp, A_log.float()) * numerics.rowwise(F.softplus, a.float() + dt_bias)
+    return beta, g
 
 
 def _l2(x: torch.Tensor, invariant: bool) -> torch.Tensor:

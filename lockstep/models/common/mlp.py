@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep import numerics
+from lockstep.compile.local import local_compile
 from lockstep.config.base import Config
 
 
@@ -42,7 +43,15 @@ class SwiGLU(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(numerics.rowwise(F.silu, self.w1(x)) * self.w3(x))  # rowwise: batch-invariant mode
+        return self.w2(swiglu_activation(self.w1(x), self.w3(x)))
+
+
+@local_compile("swiglu")
+def swiglu_activation(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, the SwiGLU gating (rowwise: batch-invariant mode). The region holds the
+    elementwise part only: the projections stay module calls, so tensor parallel's and FSDP's hooks
+    on them run as in eager."""
+    return numerics.rowwise(F.silu, gate) * up
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from lockstep import numerics
+from lockstep.compile.local import local_compile
 
 
 def expert_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
@@ -25,6 +26,7 @@ def expert_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
     raise ValueError(f"score_func must be 'softmax', 'topk_softmax' or 'sigmoid', got {score_func!r}")
 
 
+@local_compile("moe_router")
 def route(
     logits: torch.Tensor,
     *,

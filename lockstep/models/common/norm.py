@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep.compile.local import local_compile
 from lockstep.config.base import Config, require_positive
 
 
@@ -52,8 +53,7 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight * normed
+        return rms_norm(x, self.weight, self.eps)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -78,5 +78,16 @@ class ZeroCenteredRMSNorm(RMSNorm):
         nn.init.zeros_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return zero_centered_rms_norm(x, self.weight, self.eps)
+
+
+@local_compile("rmsnorm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / rms(x))``, normalised in fp32 and cast back to ``x``'s dtype."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+@local_compile("rmsnorm")
+def zero_centered_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x / rms(x)) * (1 + weight)``, all in fp32, cast back to ``x``'s dtype."""
+    return (F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * (1.0 + weight.float())).to(x.dtype)

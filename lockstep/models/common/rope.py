@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from lockstep.compile.local import local_compile
 from lockstep.config.base import Config, require, require_choice, require_positive
 from lockstep.graph.state import is_capturing
 
@@ -115,6 +116,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
 
 
+@local_compile("rope", batch_invariant=True)
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, T, D] by cos/sin [B or 1, T, D] (broadcast over heads)."""
     cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)

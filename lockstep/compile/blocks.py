@@ -1,0 +1,96 @@
+"""Whole-block compilation: ``compile.modules = ["layers.*"]`` compiles the forward of every module
+whose path matches, with one compiled code object shared by all of them.
+
+Every matched module's ``forward`` becomes a call of one ``torch.compile`` of its class's forward
+function (one per distinct function, shared across instances). Dynamo caches compiled code on the
+function's code object and, with ``inline_inbuilt_nn_modules`` (on by default since torch 2.5), treats
+the module's parameters as graph inputs instead of guarding on the instance: the first layer
+compiles, every other layer reuses that code (tests/compile/test_blocks.py counts one compiled frame
+for all layers). Globs follow :func:`lockstep.config.overrides.match_module_globs` (``fnmatch`` over
+module paths; a glob that matches nothing is a ConfigError naming ``compile.modules``). Paths are
+the model's own (``layers.3``, ``layers.3.attention``): wrapper segments that activation
+checkpointing and ``torch.compile`` insert are dropped, so a glob means the same with or without
+them. A match inside another match is covered by the outer one and left alone: ``layers.*`` (which
+also matches ``layers.3.attention``) compiles the blocks.
+
+Composition: only the inner forward is compiled. Hooks stay eager around it: FSDP2's
+all-gather/reshard hooks (``fully_shard`` keeps the module and its class's forward) and activation
+checkpointing, whose wrapper calls the compiled block in forward and again when it recomputes.
+With pipeline parallel, ``model`` is the ModuleList of this rank's stages: each stage's paths are
+matched, and a glob is dead only if no stage matches it.
+
+Eager fallbacks, by design: a call with a KV cache (generation: shapes change every decode step,
+``dynamic=False`` would compile each) and any call while a graph capture traces
+(``lockstep.graph.state.is_capturing()``: the graph trainer inlines the plain forward and runs its own
+passes). Named regions (:mod:`lockstep.compile.local`) inside a compiled block are inlined into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lockstep.compile.config import CompileConfig
+from lockstep.compile.local import enable_regions
+from lockstep.config.overrides import match_module_globs
+from lockstep.graph.state import is_capturing
+
+#: path segments that wrappers insert (activation checkpointing, torch.compile's OptimizedModule)
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def apply_compile(model: nn.Module, config: CompileConfig, *, batch_invariant: bool = False) -> list[str]:
+    """Enable ``config.regions`` for this process and compile the modules ``config.modules`` selects,
+    after the model is parallelized. Returns the compiled module paths (``stage.path`` under pp)."""
+    config.check_batch_invariant(batch_invariant)
+    enable_regions(config.regions, config.backend)
+    if not config.modules:
+        return []
+    parts = list(model) if isinstance(model, nn.ModuleList) else [model]  # pp: this rank's stages
+    by_part = [logical_modules(part) for part in parts]
+    all_paths = sorted({path for modules in by_part for path in modules})
+    matches = match_module_globs(all_paths, config.modules, "compile.modules")  # dead globs: errors
+    selected = {path for paths in matches.values() for path in paths}
+    compiled: dict[Callable, Callable] = {}
+    done = []
+    for index, modules in enumerate(by_part):
+        for path in sorted(selected & modules.keys()):
+            if any(path.startswith(other + ".") for other in selected):
+                continue  # inside another match: compiled as part of it
+            compile_forward(modules[path], config.backend, compiled)
+            done.append(path if len(parts) == 1 else f"{index}.{path}")
+    return done
+
+
+def logical_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Module path (wrapper segments dropped) -> the innermost module at that path."""
+    out: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        path = ".".join(s for s in name.split(".") if s not in WRAPPER_SEGMENTS)
+        if path:
+            out[path] = module  # named_modules is pre-order: a wrapper's inner module comes after it
+    return out
+
+
+def compile_forward(module: nn.Module, backend: str, compiled: dict[Callable, Callable] | None = None) -> None:
+    """Route ``module``'s forward through one ``torch.compile`` of its class's forward function, shared
+    through ``compiled`` (function -> compiled function) with every module of that function."""
+    compiled = {} if compiled is None else compiled
+    function = type(module).forward
+    if function not in compiled:
+        compiled[function] = torch.compile(function, backend=backend, dynamic=False)
+    module.forward = CompiledForward(module, function, compiled[function])
+
+
+class CompiledForward:
+    """A module's forward: the shared compiled function, or the plain one (KV cache, graph capture)."""
+
+    def __init__(self, module: nn.Module, plain: Callable, compiled: Callable) -> None:
+        self.module, self.plain, self.compiled = module, plain, compiled
+
+    def __call__(self, *args, **kwargs):
+        if kwargs.get("cache") is not None or is_capturing():
+            return self.plain(self.module, *args, **kwargs)
+        return self.compiled(self.module, *args, **kwargs)
