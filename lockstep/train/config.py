@@ -164,6 +164,7 @@ class TrainerConfig(RunConfig):
         self.numerics.validate("numerics")
         self.graph.validate("graph")
         self.compile.validate("compile")
+        self.compile.check_batch_invariant(self.numerics.batch_invariant)  # names both fields
         require_batch_invariant_on_cpu(self.numerics, self.training.device)
         if self.numerics.batch_invariant:
             require(self.parallel.tp == 1 and self.parallel.cp == 1 and self.parallel.pp == 1,
