@@ -69,6 +69,7 @@ def test_layout_matches_one_process(tmp_path, reference, name, recipe, nproc, de
     losses = [r["loss"] for r in records]
     ref_records, ref_dir = reference(recipe, flags)  # flags are model flags: the reference uses them too
     expected = [r["loss"] for r in ref_records]
+    assert [r["step"] for r in records] == [r["step"] for r in ref_records] == [1, 2, 3, 4, 5]
     assert len(losses) == len(expected) == 5
     diffs = [abs(a - b) for a, b in zip(losses, expected)]
     assert max(diffs) <= 1e-5, (name, losses, expected)
@@ -90,3 +91,26 @@ def test_layout_matches_one_process(tmp_path, reference, name, recipe, nproc, de
     if "moe" in recipe or "deepseek" in recipe:  # the step seam reports MoE metrics on every layout
         for r in records:
             assert r["layers.1.feed_forward/load_cv"] >= 0 and r["layers.1.feed_forward/load_max"] > 0, r
+
+
+def test_qwen35_moe_tp2_matches_one_process(tmp_path, reference):
+    """Tensor parallel over the Qwen3.5 MoE hybrid (tp=2): Gated DeltaNet with the split projections
+    (``in_proj_qkv`` and the conv held whole, computing each rank's heads' rows), output-gated
+    attention, expert TP and the sigmoid-gated shared expert; losses and every parameter.
+
+    Not a ``TESTED_LAYOUTS`` entry: a run's manifest names its parity test by family and degrees, and
+    the dense qwen3_5 entry ``tp=2 qwen3_5 (Gated DeltaNet, gated attention)`` already holds those.
+    Its one-process reference is the ``ep=2 x dp_shard=2 qwen3_5 moe`` entry's (the module fixture)."""
+    from safetensors.torch import load_file
+
+    one, one_dir = reference("debug-qwen35-moe")
+    two, two_dir = _train(tmp_path / "two", "debug-qwen35-moe", nproc=2, extra=["--parallel.tp", "2"],
+                          save_weights=True)
+    assert [r["step"] for r in two] == [r["step"] for r in one] == [1, 2, 3, 4, 5]
+    for a, b in zip(one, two):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
+    got, want = load_file(two_dir / "model.safetensors"), load_file(one_dir / "model.safetensors")
+    assert got.keys() == want.keys()
+    assert any(".shared_expert_gate." in k for k in want) and any(".in_proj_qkv." in k for k in want)
+    worst = max(((got[k] - want[k]).abs().max().item(), k) for k in want)
+    assert worst[0] <= 2e-4, worst
