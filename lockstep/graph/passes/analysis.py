@@ -87,10 +87,30 @@ def is_rng(node: torch.fx.Node) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
-        return True
+    if isinstance(target, torch._ops.OpOverload):
+        # attention with dropout_p == 0 (every causal LM here) is tagged seeded but draws nothing
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.name == "dropout_p":
+                value = node.kwargs.get("dropout_p", node.args[i] if i < len(node.args) else arg.default_value)
+                return value != 0
+        if torch.Tag.nondeterministic_seeded in target.tags:
+            return True
     name = _packet_name(node).lower()
     return any(word in name for word in _RNG_WORDS)
+
+
+def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The input nodes an in-place/out op writes into."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return []
+    out = []
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.kwargs.get(arg.name, node.args[i] if i < len(node.args) else None)
+            if isinstance(value, torch.fx.Node):
+                out.append(value)
+    return out
 
 
 def is_collective(node: torch.fx.Node) -> bool:
@@ -102,7 +122,9 @@ def is_collective(node: torch.fx.Node) -> bool:
 
 def is_impure(node: torch.fx.Node) -> bool:
     """Side effects a rewrite must keep: in-place/mutating ops, collectives, random draws, the output."""
-    return node.op in ("placeholder", "output") or node.is_impure() or is_collective(node) or is_rng(node) \
+    # random ops are judged by is_rng (torch's own rule also flags attention without dropout)
+    return node.op in ("placeholder", "output") or node.is_impure(impure_random=False) or is_collective(node) \
+        or is_rng(node) \
         or (isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable)
 
 
@@ -139,9 +161,11 @@ def storage_root(node: torch.fx.Node) -> torch.fx.Node:
 
 
 def saved_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    """Forward nodes a backward node uses: what the forward keeps alive for the backward."""
+    """Forward nodes a backward op uses: what the forward keeps alive for the backward (what the graph
+    returns is not counted: it lives past the step whatever the passes do)."""
     return [n for n in graph.nodes
-            if n.op == "call_function" and phase(n) == "forward" and any(phase(u) == "backward" for u in n.users)]
+            if n.op == "call_function" and phase(n) == "forward"
+            and any(u.op == "call_function" and phase(u) == "backward" for u in n.users)]
 
 
 def _counted_roots(nodes: Iterable[torch.fx.Node]) -> dict[torch.fx.Node, int]:

@@ -1,0 +1,185 @@
+"""The pass pipeline (lockstep.graph.passes.pipeline), the cleanup pass and the graph dump.
+
+``capture`` here is the tests' own stand-in for lockstep.graph.capture (make_fx over functional_call +
+torch.autograd.grad, with the same node conventions: meta "phase" and "module_path"), so the passes are
+tested on their own; the other pass tests import it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from lockstep.config.base import ConfigError
+from lockstep.graph.config import GraphConfig
+from lockstep.graph.passes import PassContext, registered_passes, selected_passes
+from lockstep.graph.passes import analysis
+from lockstep.graph.passes.pipeline import run_passes
+from lockstep.models.common.transformer import build_model
+from lockstep.models.registry import model_config
+from lockstep.run.objective import lm_loss
+
+
+def capture(model: torch.nn.Module, loss_fn, batch: tuple, bf16: bool = False):
+    """(graph module, its inputs): forward + loss + grads of every parameter, nodes marked like
+    lockstep.graph.capture marks them (backward nodes get the loss's module path "")."""
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    stack: list = []
+
+    def enter(module, args, name=""):
+        ctx = fx_traceback.annotate({"module_path": name})
+        ctx.__enter__()
+        stack.append(ctx)
+
+    def leave(module, args, out):
+        stack.pop().__exit__(None, None, None)
+
+    hooks = []
+    for name, module in model.named_modules():
+        if name:
+            hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: enter(m, a, name)))
+            hooks.append(module.register_forward_hook(leave))
+
+    def step(p, b, *batch):
+        with fx_traceback.annotate({"phase": "forward"}):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = loss_fn(lambda *a: functional_call(model, {**p, **b}, a), *batch)
+        with fx_traceback.annotate({"phase": "backward", "module_path": ""}):
+            grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
+        return loss.detach(), grads
+
+    try:
+        with fx_traceback.preserve_node_meta():
+            gm = make_fx(step)(params, buffers, *batch)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom", {})
+        node.meta["phase"] = custom.get("phase", "")
+        node.meta["module_path"] = custom.get("module_path", "")
+    return gm, (params, buffers, *batch)
+
+
+def lm_step(call, x, y):
+    return lm_loss(call(x), y)
+
+
+def llama(seed: int = 0, T: int = 16):
+    cfg = model_config("llama3", "debug")
+    model = build_model(cfg, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    batch = tuple(torch.randint(0, cfg.vocab_size, (2, T), generator=gen) for _ in range(2))
+    return model, batch
+
+
+def run(gm, args):
+    with torch.no_grad():
+        return gm(*args)
+
+
+def assert_bitwise(a, b):
+    flat_a, flat_b = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    assert len(flat_a) == len(flat_b)
+    for x, y in zip(flat_a, flat_b):
+        assert (x is None and y is None) or torch.equal(x, y)
+
+
+def count(gm, target) -> int:
+    return sum(1 for n in gm.graph.nodes if n.target == target)
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_cleanup_keeps_bits_and_removes_noops(bf16):
+    model, batch = llama()
+    gm, args = capture(model, lm_step, batch, bf16)
+    reference = run(gm, args)
+    detaches = count(gm, torch.ops.aten.detach.default)
+    assert detaches > 0
+    ctx = PassContext(GraphConfig(disable=[p for p in registered_passes() if p != "cleanup"]))
+    gm = run_passes(gm, ctx)
+    assert_bitwise(run(gm, args), reference)
+    record = ctx.records["cleanup"]
+    # only the loss.detach() feeding the output stays
+    assert count(gm, torch.ops.aten.detach.default) == 1
+    assert record["removed_noops"]["aten.detach.default"] == detaches - 1
+    assert record["nodes_after"] < record["nodes_before"]
+    # and a fresh batch still matches eager through the rewritten graph
+    _, other = llama(seed=1)
+    eager_gm, _ = capture(model, lm_step, other, bf16)
+    assert_bitwise(run(gm, (*args[:2], *other)), run(eager_gm, (*args[:2], *other)))
+
+
+def test_cleanup_dead_code_keeps_side_effects():
+    def f(x):
+        dead = torch.exp(x)  # noqa: F841 (dead: removed)
+        drawn = torch.rand_like(x)  # noqa: F841 (unused draw: kept, it advances the generator)
+        y = x.view(x.shape) * 2  # view to the same shape: removed
+        return y.clone(), torch.rand_like(x)
+
+    gm = make_fx(f)(torch.randn(4, 3))
+    assert count(gm, torch.ops.aten.exp.default) == 1
+    ctx = PassContext(GraphConfig(disable=[p for p in registered_passes() if p != "cleanup"]))
+    gm = run_passes(gm, ctx)
+    assert count(gm, torch.ops.aten.exp.default) == 0
+    assert count(gm, torch.ops.aten.rand_like.default) == 2
+    assert count(gm, torch.ops.aten.view.default) == 0
+    assert count(gm, torch.ops.aten.clone.default) == 1  # feeds the output: never aliased away
+    x = torch.randn(4, 3)
+    torch.manual_seed(3)
+    expected = f(x)
+    torch.manual_seed(3)
+    assert_bitwise(gm(x), expected)
+
+
+def test_copy_of_written_tensor_is_kept():
+    def f(x):
+        y = x * 2
+        z = y.clone()
+        y.add_(1)
+        return z + y
+
+    gm = make_fx(f)(torch.randn(3))
+    ctx = PassContext(GraphConfig(disable=[p for p in registered_passes() if p != "cleanup"]))
+    gm = run_passes(gm, ctx)
+    assert count(gm, torch.ops.aten.clone.default) == 1
+    assert count(gm, torch.ops.aten.add_.Tensor) == 1
+    x = torch.randn(3)
+    assert torch.equal(gm(x), f(x))
+
+
+def test_pipeline_order_and_names():
+    names = [p.name for p in selected_passes([], [])]
+    assert names[:3] == ["cleanup", "memory", "recompute"]
+    assert "inductor" not in names
+    with pytest.raises(ConfigError, match="graph.enable"):
+        GraphConfig(enable=["no_such_pass"]).validate()
+
+
+def test_dump_writes_code_and_summary(tmp_path):
+    model, batch = llama()
+    gm, args = capture(model, lm_step, batch)
+    ctx = PassContext(GraphConfig(dump_dir=str(tmp_path)))
+    gm = run_passes(gm, ctx)
+    names = [p.name for p in selected_passes([], [])]
+    files = sorted(p.name for p in tmp_path.iterdir())
+    for index, name in enumerate(["captured", *names]):
+        assert f"{index:02d}_{name}.py" in files
+        assert f"{index:02d}_{name}_summary.json" in files
+    assert "def forward" in (tmp_path / "01_cleanup.py").read_text()
+    summary = json.loads((tmp_path / "01_cleanup_summary.json").read_text())
+    layers = model_config("llama3", "debug").n_layers
+    assert {f"layers.{i}" for i in range(layers)} <= set(summary["blocks"])
+    assert summary["nodes"] == ctx.records["cleanup"]["nodes_after"]
+    assert summary["saved_bytes"] == sum(b["saved_bytes"] for b in summary["blocks"].values()) > 0
+    assert summary["blocks"]["layers.0"]["saved_bytes"] > 0
+    assert summary["collectives"] == 0
+    assert summary["records"]["removed_dead"] >= 0
+    captured = json.loads((tmp_path / "00_captured_summary.json").read_text())
+    assert captured["saved_bytes"] == analysis.saved_bytes(capture(model, lm_step, batch)[0].graph)
