@@ -20,15 +20,18 @@ from collections.abc import Callable
 
 from torch import nn
 
-from lockstep.parallel.checkpointing import apply_activation_checkpointing
+from lockstep.parallel.checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.expert import apply_expert_parallel, expert_parameters, moe_layers
 from lockstep.parallel.fsdp import apply_fsdp, dp_mesh, expert_mesh
 
 
 def stage_parallelizer(dims: ParallelDims, mesh, config: ParallelConfig,
-                       activation_checkpoint: str = "none") -> Callable[[nn.Module], nn.Module]:
-    """``parallelize_fn`` for :class:`~lockstep.parallel.pipeline.PipelineRunner` under ``dims``."""
+                       activation_checkpoint: ActivationCheckpointConfig | str = "none"
+                       ) -> Callable[[nn.Module], nn.Module]:
+    """``parallelize_fn`` for :class:`~lockstep.parallel.pipeline.PipelineRunner` under ``dims``.
+    A stage holds only some blocks: save globs are checked against the whole model before the split
+    (:func:`~lockstep.parallel.checkpointing.check_save_globs`), not per stage."""
     from lockstep.parallel.parallelize import _share_expert_counts, apply_dense_tp
 
     def parallelize_stage(part: nn.Module) -> nn.Module:
@@ -45,7 +48,7 @@ def stage_parallelizer(dims: ParallelDims, mesh, config: ParallelConfig,
                 part.residual_mesh = mesh["tp"]
         experts_mesh = expert_mesh(mesh, dims)  # experts FSDP over dp_shard_mod_ep (x dp_replicate), or local
         ignored = set(expert_parameters(part)) if dims.ep > 1 and experts_mesh is None else None
-        apply_activation_checkpointing(part, activation_checkpoint)
+        apply_activation_checkpointing(part, activation_checkpoint, strict=False)
         if dims.dp > 1:
             apply_fsdp(part, list(part.layers.values()), dp_mesh(mesh, dims), config.fsdp_param_dtype,
                        config.reshard_after_forward, ignored_params=ignored or None, experts_mesh=experts_mesh)

@@ -14,6 +14,7 @@ split over ep=2 and FSDP-sharded over the other dp_shard / ep = 2 ranks.
 from __future__ import annotations
 
 from lockstep.models.registry import model_config
+from lockstep.parallel.checkpointing import ActivationCheckpointConfig
 from lockstep.parallel.dims import ParallelConfig
 from lockstep.recipes.pretrain import debug
 from lockstep.recipes.registry import recipe
@@ -41,7 +42,7 @@ def dsv3_mtp_pp_671b() -> TrainerConfig:
     cfg.training.seq_len = 4096
     cfg.training.batch_size = 1024  # 8 sequences per data-parallel rank at 256 ranks
     cfg.training.dtype = "bfloat16"
-    cfg.training.activation_checkpoint = "full"
+    cfg.training.activation_checkpoint = ActivationCheckpointConfig(mode="full")
     cfg.parallel = ParallelConfig(pp=2, dp_shard=-1, ep=32, pp_microbatches=8, fsdp_param_dtype="bfloat16")
     return cfg
 
@@ -59,6 +60,6 @@ def qwen3_moe_64k_cp() -> TrainerConfig:
     cfg.training.seq_len = 65536
     cfg.training.batch_size = 10  # one 64K sequence per data-parallel rank
     cfg.training.dtype = "bfloat16"
-    cfg.training.activation_checkpoint = "full"
+    cfg.training.activation_checkpoint = ActivationCheckpointConfig(mode="full")
     cfg.parallel = ParallelConfig(cp=4, dp_shard=-1, fsdp_param_dtype="bfloat16")
     return cfg

@@ -12,6 +12,7 @@ from lockstep.data.config import DataConfig
 from lockstep.graph.config import GraphConfig
 from lockstep.models.common.transformer import TransformerConfig
 from lockstep.numerics import NumericsConfig
+from lockstep.parallel.checkpointing import ActivationCheckpointConfig
 from lockstep.parallel.dims import ParallelConfig
 from lockstep.run.config import SinkOutputs, validate_device
 from lockstep.run.nonfinite import validate_nonfinite
@@ -57,8 +58,8 @@ class TrainingConfig(Config):
     #: how a micro-batch's forward + backward runs: "eager" (autograd) or "graph" (captured once per
     #: shape as one FX graph, rewritten by the ``graph`` section's passes; bitwise equal to eager by default)
     mode: str = "eager"
-    #: activation checkpointing per block: "none", "full" or "selective" (keep matmul/attention outputs)
-    activation_checkpoint: str = "none"
+    #: activation checkpointing per block: mode none/full/selective/regions, and regions' save globs
+    activation_checkpoint: ActivationCheckpointConfig = dataclasses.field(default_factory=ActivationCheckpointConfig)
     #: where the model, batches and autocast live: "auto" (CUDA when available), "cpu" or "cuda"
     device: str = "auto"
     #: non-finite loss/grad norm: "stop" (nothing saved from it), "skip_step" (drop the update), "rollback" (newest checkpoint)
@@ -74,7 +75,10 @@ class TrainingConfig(Config):
         require_choice(self.dtype, DTYPES, f"{path}.dtype")
         require(self.threads >= 0, f"{path}.threads", f"must be >= 0, got {self.threads}")
         require_choice(self.mode, TRAINING_MODES, f"{path}.mode")
-        require_choice(self.activation_checkpoint, ["none", "full", "selective"], f"{path}.activation_checkpoint")
+        require(isinstance(self.activation_checkpoint, ActivationCheckpointConfig), f"{path}.activation_checkpoint",
+                f"is a section now: ActivationCheckpointConfig(mode=...), got {self.activation_checkpoint!r} "
+                f"(on the command line: --{path}.activation-checkpoint.mode)")
+        self.activation_checkpoint.validate(f"{path}.activation_checkpoint")
         validate_device(self.device, f"{path}.device")
         validate_nonfinite(self.on_nonfinite, self.max_rollbacks, path)
 

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from lockstep.cli import resolve_config
+from lockstep.parallel.checkpointing import ActivationCheckpointConfig
 from lockstep.train.trainer import Trainer
 
 
@@ -31,5 +32,5 @@ def test_recipe_trains(tmp_path, recipe):
 def test_activation_checkpointing_keeps_losses_bitwise(tmp_path):
     base = Trainer(_config(tmp_path, "debug-qwen35-moe", steps=2, name="base")).fit()
     cfg = _config(tmp_path, "debug-qwen35-moe", steps=2, name="ac")
-    cfg.training = dataclasses.replace(cfg.training, activation_checkpoint="full")
+    cfg.training = dataclasses.replace(cfg.training, activation_checkpoint=ActivationCheckpointConfig(mode="full"))
     assert Trainer(cfg).fit().losses == base.losses

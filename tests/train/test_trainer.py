@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from lockstep.config.base import ConfigError
+from lockstep.parallel.checkpointing import ActivationCheckpointConfig
 from lockstep.recipes import get_recipe
 from lockstep.train.trainer import Trainer
 
@@ -105,7 +106,7 @@ def test_trainer_validates_before_work(tmp_path):
 def test_activation_checkpointing_keeps_losses_bitwise(tmp_path, mode):
     base = Trainer(_debug(tmp_path, "none", steps=3)).fit()
     cfg = _debug(tmp_path, mode, steps=3)
-    cfg.training = dataclasses.replace(cfg.training, activation_checkpoint=mode)
+    cfg.training = dataclasses.replace(cfg.training, activation_checkpoint=ActivationCheckpointConfig(mode=mode))
     result = Trainer(cfg).fit()
     assert result.losses == base.losses
     names = set(load_file(str(result.run_dir / "model.safetensors")))

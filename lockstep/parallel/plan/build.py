@@ -29,6 +29,7 @@ from lockstep.config.base import ConfigError
 from lockstep.models.common.attention import GroupedQueryAttention as GQA
 from lockstep.models.common.moe import MoE
 from lockstep.models.common.transformer import build_meta_model
+from lockstep.parallel.checkpointing import ActivationCheckpointConfig, as_checkpoint_config, check_save_globs
 from lockstep.parallel.plan.collectives import Collective, step_collectives
 from lockstep.parallel.plan.report import format_plan
 from lockstep.parallel.plan.layout import (AC_MODES, DTYPE_BYTES, SCHEDULES, Layout, ParamPlacement, flag_error,
@@ -96,7 +97,7 @@ class Plan:
     grad_dtype: str
     compute_dtype: str
     master_weights: bool
-    activation_checkpoint: str
+    activation_checkpoint: ActivationCheckpointConfig
     pp_schedule: str
     reshard_after_forward: str
     cp_method: str
@@ -155,7 +156,8 @@ class Plan:
             "dtypes": {"param": self.param_dtype, "grad": self.grad_dtype, "compute": self.compute_dtype,
                        "optimizer_bytes_per_param": self.optimizer_bytes_per_param,
                        "master_weights": self.master_weights and self.param_dtype == "bf16"},
-            "activation_checkpoint": self.activation_checkpoint,
+            "activation_checkpoint": {"mode": self.activation_checkpoint.mode,
+                                      "save": list(self.activation_checkpoint.save)},
             "reshard_after_forward": self.reshard_after_forward,
             "activation_k_bytes_per_token_per_dim": self.activation_k,
             "stages": [s.to_dict(with_collectives=False) for s in self.stages],
@@ -213,7 +215,8 @@ def _validate_model(model: nn.Module, layout: Layout, seq_len: int) -> None:
 
 def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch_size: int | None = None,
                microbatches: int | None = None, param_dtype: str = "fp32", grad_dtype: str = "fp32",
-               compute_dtype: str | None = None, master_weights: bool = True, activation_checkpoint: str = "none",
+               compute_dtype: str | None = None, master_weights: bool = True,
+               activation_checkpoint: ActivationCheckpointConfig | str = "none",
                pp_schedule: str = "1F1B", reshard_after_forward: str = "always", pp_split: str = "even",
                cp_method: str = "allgather", model: nn.Module | None = None) -> Plan:
     """Size ``config`` (a TransformerConfig) under ``layout``; ``batch_size`` is global sequences per
@@ -222,8 +225,12 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
     layout = layout.resolve()
     param_dtype, grad_dtype = parse_dtype(param_dtype, "--param-dtype"), parse_dtype(grad_dtype, "--grad-dtype")
     compute_dtype = parse_dtype(compute_dtype or param_dtype, "--compute-dtype")
-    if activation_checkpoint not in AC_MODES:
+    if isinstance(activation_checkpoint, str) and activation_checkpoint not in AC_MODES:
         flag_error("--activation-checkpoint", f"must be one of {list(AC_MODES)}, got {activation_checkpoint!r}")
+    activation_checkpoint = as_checkpoint_config(activation_checkpoint)
+    # regions keep what their save globs name (measured by tests/parallel/test_remat_regions.py, not
+    # modelled here): sized as "none", an upper bound
+    ac_mode = "none" if activation_checkpoint.mode == "regions" else activation_checkpoint.mode
     if pp_schedule not in SCHEDULES:
         flag_error("--pp-schedule", f"must be one of {list(SCHEDULES)}, got {pp_schedule!r}")
     if cp_method not in ("allgather", "ring"):
@@ -246,6 +253,7 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
     m_count = _microbatches(layout, batch_size, microbatches, pp_schedule, len(model.layers))
     mb = batch_size // layout.dp // m_count
     _validate_model(model, layout, seq_len)
+    check_save_globs(model, activation_checkpoint)
     params, ranges, notes = place_parameters(model, layout, pp_schedule, pp_split, seq_len)
     _, rank_stages = stage_layout(model, layout, pp_schedule, pp_split, seq_len)
     n_stages = len(ranges)
@@ -270,11 +278,11 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
     if getattr(model, "mtp", None) is not None:
         blocks.update({f"mtp.{k}.block": m.block for k, m in model.mtp.items()})
     for name, block in blocks.items():
-        saved, transient = block_activation_bytes(block, dim, cb, activation_checkpoint)
+        saved, transient = block_activation_bytes(block, dim, cb, ac_mode)
         block_kinds[name] = (saved, transient)
         kind = "moe" if ffn_is_moe(block) else "dense"
         k_report.setdefault(f"{kind}_block", round(saved / dim, 2))
-        if activation_checkpoint == "full":
+        if ac_mode == "full":
             k_report.setdefault(f"{kind}_block_recompute", round(transient / dim, 2))
     vocab = config.vocab_size
     head_bytes = 2 * dim * cb + vocab * (cb + 4)  # final norm in/out, logits + fp32 log-softmax
@@ -357,6 +365,9 @@ def build_plan(config: TransformerConfig, layout: Layout, *, seq_len: int, batch
     if layout.tp > 1 and any(p.kind in ("experts", "router") for p in params):
         notes.append("MoE under tp: router replicated, routed and shared experts split on their hidden dim "
                      "(expert TP = tp, lockstep.parallel.tp_blocks)")
+    if activation_checkpoint.mode == "regions":
+        notes.append(f"activation checkpointing {activation_checkpoint.describe()}: activations sized as mode "
+                     "'none' (an upper bound; what the save globs keep is measured, not modelled)")
     if layout.ep > 1:
         notes.append("EP all-to-all traffic assumes uniform routing (each rank's tokens x top_k spread evenly)")
     refusal = lockstep_refusal(layout, pp_schedule, cp_method)

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from lockstep.config.base import ConfigError
+from lockstep.parallel.checkpointing import ActivationCheckpointConfig
 from lockstep.parallel.plan.build import Plan, build_plan
 from lockstep.parallel.plan.layout import AC_MODES, SCHEDULES, Layout, flag_error
 from lockstep.parallel.plan.verify import verify_fsdp
@@ -43,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--compute-dtype", help="FSDP all-gather + activation dtype (default: bf16)")
     run.add_argument("--no-master-weights", action="store_true", help="no fp32 master copy for bf16 params")
     run.add_argument("--activation-checkpoint", choices=AC_MODES)
+    run.add_argument("--activation-checkpoint-save", nargs="+", metavar="GLOB",
+                     help="mode regions: module-path globs / op kinds kept (training.activation_checkpoint.save)")
     run.add_argument("--reshard-after-forward", choices=("always", "never"))
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -95,10 +98,23 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any, argparse.Namespace]:
         config, layout, seq_len=pick("seq_len", min(4096, config.max_seq_len)), batch_size=pick("batch_size", None),
         microbatches=microbatches, param_dtype=pick("param_dtype", "fp32"), grad_dtype=pick("grad_dtype", "fp32"),
         compute_dtype=pick("compute_dtype", "bf16"), master_weights=not args.no_master_weights,
-        activation_checkpoint=pick("activation_checkpoint", "none"), pp_schedule=pick("pp_schedule", "1F1B"),
+        activation_checkpoint=_activation_checkpoint(args, defaults), pp_schedule=pick("pp_schedule", "1F1B"),
         reshard_after_forward=pick("reshard_after_forward", "always"), pp_split=pick("pp_split", "even"),
         cp_method=pick("cp_method", "allgather"))
     return plan, config, args
+
+
+def _activation_checkpoint(args: argparse.Namespace, defaults: dict[str, Any]) -> ActivationCheckpointConfig:
+    """The recipe's section, with ``--activation-checkpoint`` / ``--activation-checkpoint-save`` applied."""
+    base = defaults.get("activation_checkpoint") or ActivationCheckpointConfig()
+    mode = args.activation_checkpoint or base.mode
+    if args.activation_checkpoint_save is not None:
+        save = list(args.activation_checkpoint_save)
+    else:
+        save = list(base.save) if mode == base.mode else []
+    if save and mode != "regions":
+        flag_error("--activation-checkpoint-save", f"names save regions of mode 'regions', but the mode is {mode!r}")
+    return ActivationCheckpointConfig(mode=mode, save=save)
 
 
 def cmd_plan(argv: list[str]) -> int:

@@ -51,7 +51,7 @@ from lockstep.config.base import ConfigError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 _DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16"}
-AC_MODES = ("none", "selective", "full")
+AC_MODES = ("none", "selective", "full", "regions")
 ROOT_UNIT = "root"
 
 

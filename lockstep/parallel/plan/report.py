@@ -42,7 +42,7 @@ def format_plan(plan: Plan) -> str:
     master = " + fp32 master" if plan.optimizer_bytes_per_param == 12 else ""
     lines.append(f"  dtypes   params {plan.param_dtype}, grads {plan.grad_dtype}, compute {plan.compute_dtype}; "
                  f"AdamW 2 x fp32{master} = {plan.optimizer_bytes_per_param} B/param; "
-                 f"activation checkpointing: {plan.activation_checkpoint}")
+                 f"activation checkpointing: {plan.activation_checkpoint.describe()}")
     k = ", ".join(f"{name} k={v}" for name, v in plan.activation_k.items())
     lines.append(f"  act.     per block ~ seq x mb x dim x k bytes / tp ({k}); x micro-batches in flight")
     lines.append("")

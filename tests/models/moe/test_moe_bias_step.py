@@ -18,7 +18,7 @@ from lockstep.models.common.moe import MoE, MoEConfig, apply_routing_updates
 from lockstep.models.common.moe_routing import route
 from lockstep.models.common.transformer import build_model
 from lockstep.models.registry import model_config
-from lockstep.parallel.checkpointing import apply_activation_checkpointing
+from lockstep.parallel.checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
 
 # Large enough that one step visibly reroutes tokens: a recompute routed with a moved bias would
 # change the gradients (measured: the former in-forward update changed them under "full").
@@ -192,7 +192,8 @@ def test_trainer_steps_the_bias_once_per_step_with_and_without_activation_checkp
         cfg = get_recipe("debug-moe").config()
         cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / mode), steps=2, model=dataclasses.replace(
             cfg.model, feed_forward=dataclasses.replace(cfg.model.feed_forward, bias_update_speed=speed)))
-        cfg.training = dataclasses.replace(cfg.training, grad_accum=2, activation_checkpoint=mode)
+        cfg.training = dataclasses.replace(cfg.training, grad_accum=2,
+                                           activation_checkpoint=ActivationCheckpointConfig(mode=mode))
         cfg.output = dataclasses.replace(cfg.output, progress=False, sample_tokens=0, save_weights=False)
         cfg.validation = dataclasses.replace(cfg.validation, every=0)
         trainer = Trainer(cfg)
