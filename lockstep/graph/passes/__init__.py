@@ -50,7 +50,7 @@ _REGISTRY: dict[str, GraphPass] = {}
 
 
 def register_pass(graph_pass: GraphPass) -> GraphPass:
-    """Add a pass to the registry (its order of registration is its order in the pipeline)."""
+    """Add a pass to the registry (its place in the pipeline: see :func:`registered_passes`)."""
     if graph_pass.default and graph_pass.changes_numerics:
         raise ValueError(f"graph pass {graph_pass.name!r}: a pass that changes numerics cannot run by default")
     if graph_pass.name in _REGISTRY:
@@ -59,9 +59,9 @@ def register_pass(graph_pass: GraphPass) -> GraphPass:
     return graph_pass
 
 
-#: modules imported first, in this order, so their passes run in this order (a pass module's import
-#: registers it); other modules in this package follow alphabetically, before the numerics-changing
-#: "inductor", which compiles what the others produced and so runs last
+#: pipeline order by module (a pass module's import registers its passes): these first, in this order;
+#: other modules of this package next, then the numerics-changing "inductor", which compiles what the
+#: others produced and so runs last
 _PIPELINE_ORDER = ("cleanup", "memory", "recompute", "bucketing")
 _LAST = ("inductor",)
 
@@ -77,10 +77,19 @@ def _ensure_loaded() -> None:
             importlib.import_module(f"{__name__}.{name}")
 
 
+def _rank(graph_pass: GraphPass) -> int:
+    module = graph_pass.fn.__module__.rsplit(".", 1)[-1]
+    if module in _PIPELINE_ORDER:
+        return _PIPELINE_ORDER.index(module)
+    return len(_PIPELINE_ORDER) + (1 if module in _LAST else 0)
+
+
 def registered_passes() -> dict[str, GraphPass]:
-    """Every known pass by name, in pipeline order."""
+    """Every known pass by name, in pipeline order (by module as ``_PIPELINE_ORDER`` says, whichever
+    module was imported first; passes of one module in their order of registration)."""
     _ensure_loaded()
-    return dict(_REGISTRY)
+    ordered = sorted(_REGISTRY.values(), key=_rank)  # stable: registration order within a rank
+    return {p.name: p for p in ordered}
 
 
 def check_pass_names(names: list[str], field: str) -> None:
