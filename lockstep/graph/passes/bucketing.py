@@ -262,16 +262,25 @@ def bucket_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.G
 
 # ------------------------------------------------------------------ reordering
 
-def _is_compute(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and collective_kind(node) is None and not is_wait(node)
+def _compute_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """The ops that compute (what communication can overlap): not collectives, their waits and the
+    views/slices/casts of a wait's value, nor what is computed from graph inputs alone."""
+    memo: dict = {}
+    plumbing: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if is_wait(node):
+            plumbing.update((node, *_layout_chain(node)))
+    return {n for n in graph.nodes if n.op == "call_function" and collective_kind(n) is None
+            and n not in plumbing and not _parameter_only(n, memo)}
 
 
 def _overlap(graph: torch.fx.Graph) -> int:
     """Compute nodes between each collective's start and its wait, summed: what may overlap it."""
     order = {n: i for i, n in enumerate(graph.nodes)}
+    is_compute = _compute_nodes(graph)
     compute = [0]
     for n in graph.nodes:
-        compute.append(compute[-1] + (1 if _is_compute(n) else 0))
+        compute.append(compute[-1] + (1 if n in is_compute else 0))
     total = 0
     for n in graph.nodes:
         wait = _wait_of(n) if collective_kind(n) else None
@@ -307,8 +316,9 @@ def reorder_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.
     memo: dict = {}
     # forward units in the order their compute starts
     first_compute: dict[str, torch.fx.Node] = {}
+    is_compute = _compute_nodes(graph)
     for n in graph.nodes:
-        if _is_compute(n) and phase(n) == "forward" and not _parameter_only(n, memo):
+        if n in is_compute and phase(n) == "forward":
             first_compute.setdefault(fsdp_unit(n), n)
     units = list(first_compute)
     prefetched = 0
