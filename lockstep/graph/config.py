@@ -22,11 +22,18 @@ class GraphConfig(Config):
     #: activation budget of the memory pass, as a fraction of what the unmodified graph saves for
     #: backward (0 = off: the default policy; 1 = save everything)
     memory_budget: float = 0.0
+    #: module-path globs ("layers.*.attention") whose nodes the opt-in "inductor" pass compiles; empty =
+    #: the whole graph
+    inductor_regions: list[str] = dataclasses.field(default_factory=list)
 
     def validate(self, path: str = "graph") -> None:
         require(self.check_steps >= 0, f"{path}.check_steps", f"must be >= 0, got {self.check_steps}")
         require(0.0 <= self.memory_budget <= 1.0, f"{path}.memory_budget",
                 f"must be in [0, 1] (a fraction of the saved activations), got {self.memory_budget}")
+        for i, glob in enumerate(self.inductor_regions):
+            require(bool(glob), f"{path}.inductor_regions[{i}]", "must be a non-empty module-path glob")
+        require(not self.inductor_regions or "inductor" in self.enable, f"{path}.inductor_regions",
+                "names regions for the inductor pass, which is off: add \"inductor\" to graph.enable")
         both = sorted(set(self.enable) & set(self.disable))
         require(not both, f"{path}.enable", f"passes {both} are both enabled and disabled")
         from lockstep.graph.passes import check_pass_names  # the registry names the known passes
