@@ -169,12 +169,22 @@ def check_split_backward(parts: Sequence[nn.Module], schedule: str) -> None:
 
     Their backward runs twice over each region (input gradients, later weight gradients), and
     torch's selective checkpointing raises "Trying to backward an extra time" on the second pass
-    -- on one rank, mid-schedule, leaving the others waiting. Full checkpointing works.
+    -- on one rank, mid-schedule, leaving the others waiting. Full checkpointing works. torch_remat
+    save regions (mode "regions") fail there too (measured, torch 2.13 + torch-remat 0.2.2: the weight
+    pass hits "Can't detach views in-place"), though a plain second backward over them is exact.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
+    from lockstep.parallel.remat_regions import is_region_checkpointed
+
     for part in parts:
         for name, module in part.named_modules():
+            if is_region_checkpointed(module):
+                raise ValueError(
+                    f"pp: activation checkpointing mode 'regions' ({name}) cannot run under {schedule}, whose "
+                    "split backward (input grads, then weight grads) fails in torch_remat's replay; use "
+                    "training.activation_checkpoint.mode 'full' or 'none', or a schedule without the split "
+                    "(1F1B, Interleaved1F1B, GPipe)")
             keywords = getattr(getattr(module, "checkpoint_fn", None), "keywords", None) or {}
             if isinstance(module, CheckpointWrapper) and keywords.get("context_fn") is not None:
                 raise ValueError(
