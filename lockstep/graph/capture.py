@@ -226,6 +226,19 @@ def flatten_report(report: Any) -> tuple[list[torch.Tensor], Callable[[list[torc
     return [x for x, t in zip(leaves, is_tensor) if t], rebuild
 
 
+@contextlib.contextmanager
+def _autocast_cache(enabled: bool) -> Iterator[None]:
+    """Autocast's cast cache as eager has it: a weight used twice in one autocast region (a tied or
+    shared head) is cast once and its two gradients meet in the low precision, as in eager. The cached
+    casts are made inside the trace, so they are graph nodes, not untracked tensors."""
+    previous = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(previous)
+
+
 _DATA_DEPENDENT = ("_local_scalar_dense", "data-dependent", "value out of a tracing tensor", "data dependent")
 
 
@@ -253,6 +266,7 @@ def capture_step(model: nn.Module, objective: Callable, batch: Any, *, accumulat
     batch_leaves, batch_spec = pytree.tree_flatten(batch)
     found: dict[str, Any] = {}
     tracker = _PathTracker(model)
+    cache_enabled = torch.is_autocast_cache_enabled()  # make_fx turns the cache off; eager has it on
 
     def step(params: list, buffers: list, state_in: list, leaves: list):
         full = []
@@ -266,7 +280,7 @@ def capture_step(model: nn.Module, objective: Callable, batch: Any, *, accumulat
         swapped = {**dict(zip(param_names, full)), **dict(zip(buffer_names, buffers))}
         micro = pytree.tree_unflatten(leaves, batch_spec)
         with _reparametrize_module(model, swapped, tie_weights=True, strict=False), state.bound(state_in):
-            with autocast():
+            with _autocast_cache(cache_enabled), autocast():
                 loss, report = objective(model, micro)
                 loss = loss / accumulate
             state_out = state.outputs()
@@ -302,13 +316,15 @@ def capture_step(model: nn.Module, objective: Callable, batch: Any, *, accumulat
 
 
 def check_no_large_constants(gm: torch.fx.GraphModule, tensors: list[torch.Tensor]) -> None:
-    """Raise when the graph holds a tensor constant the size of a parameter or buffer (one that should
-    have been a graph input: replay would silently use a stale copy)."""
-    sizes = {tuple(t.shape) for t in tensors if t.numel() > 1}
+    """Raise when the graph holds one of ``tensors`` (the model's parameters and buffers) as a constant
+    -- it should have been a graph input: replay would read it as a stale copy (frozen tensors of
+    another module, e.g. RL's KL reference, may be constants)."""
+    storages = {_local(t).untyped_storage().data_ptr() for t in tensors if t.numel() > 0}
     for node in gm.graph.nodes:
         if node.op != "get_attr":
             continue
         value = getattr(gm, node.target, None)
-        if isinstance(value, torch.Tensor) and value.numel() > 1 and tuple(value.shape) in sizes:
-            raise GraphCaptureError(f"captured step holds a constant {node.target} of shape {tuple(value.shape)} "
-                                    f"(a parameter/buffer shape): a module tensor was not a graph input")
+        if (isinstance(value, torch.Tensor) and value.numel() > 1 and not value.is_meta
+                and value.untyped_storage().data_ptr() in storages):
+            raise GraphCaptureError(f"captured step holds the model tensor {node.target} of shape "
+                                    f"{tuple(value.shape)} as a constant (it was not a graph input)")

@@ -17,7 +17,9 @@ processes). It parallelizes a model with its family's plan (on ``device``), and 
   model's ``after_optimizer_step`` hook (``clip_gradients`` + ``apply_step``/``drop_step``: its halves);
 - ``scalars()``: a :class:`~lockstep.run.step.StepScalars` reducing a step's scalars in one collective.
 
-This is the piece a graph-captured step replaces. A single process gets the same object with world 1.
+This is the piece a graph-captured step replaces: with ``mode = "graph"`` (``parallelize(...,
+mode="graph")``) a training micro-batch runs as a captured graph (:mod:`lockstep.graph.step`).
+A single process gets the same object with world 1.
 """
 
 from __future__ import annotations
@@ -109,6 +111,10 @@ class ParallelRuntime:
     context: object | None = None  # a ContextParallel when cp > 1
     #: the parallelized model (``parallelize`` sets it; pipeline: this rank's stages)
     model: nn.Module | None = None
+    #: ``training.mode``: "eager" (autograd) or "graph" (captured steps; ``parallelize`` sets it)
+    mode: str = "eager"
+    #: graph mode: the captured steps (a ``lockstep.graph.step.GraphStep``)
+    graph: object | None = None
 
     def barrier(self) -> None:
         if self.distributed:
@@ -126,17 +132,23 @@ class ParallelRuntime:
         model = parallelize_dense(model.to(self.device), self.dims, self.mesh, config, "none")
         return model.eval().requires_grad_(False)
 
-    def parallelize(self, model: nn.Module, config: ParallelConfig, activation_checkpoint: str = "none") -> nn.Module:
+    def parallelize(self, model: nn.Module, config: ParallelConfig, activation_checkpoint: str = "none", *,
+                    mode: str = "eager", graph_config=None) -> nn.Module:
         """The model's plan applied for this layout (one process: activation checkpointing only).
 
         With pp > 1 the model is split into stages run by ``self.pipeline`` (a PipelineRunner);
         the returned module then holds this rank's stages (for the optimizer and mode switches).
+        ``mode`` (``training.mode``): "graph" runs training steps as captured graphs (``graph_config``:
+        the ``graph`` section), with data parallelism by traceable FSDP; dp_shard / dp_replicate only.
         """
         from lockstep.parallel.parallelize import parallelize_dense
 
+        if mode == "graph":
+            self._use_graph(graph_config)
         model = model.to(self.device)
         if self.dims.pp == 1:
-            model = parallelize_dense(model, self.dims, self.mesh, config, activation_checkpoint)
+            model = parallelize_dense(model, self.dims, self.mesh, config, activation_checkpoint,
+                                      traceable=mode == "graph")
             if self.dims.cp > 1:
                 from lockstep.parallel.context import ContextParallel
 
@@ -159,6 +171,17 @@ class ParallelRuntime:
                                        context=self.context)
         self.model = nn.ModuleList(self.pipeline.model_parts)
         return self.model
+
+    def _use_graph(self, graph_config) -> None:
+        from lockstep.config.base import ConfigError
+        from lockstep.graph.step import GraphStep
+
+        d = self.dims
+        for name, degree in (("tp", d.tp), ("cp", d.cp), ("pp", d.pp), ("ep", d.ep)):
+            if degree > 1:
+                raise ConfigError(f"training.mode: graph supports data parallelism (dp_shard, dp_replicate) only, "
+                                  f"got parallel.{name}={degree}; use training.mode=eager for this layout")
+        self.mode, self.graph = "graph", GraphStep(graph_config, facts={"mesh": self.mesh, "dims": d})
 
     def _context_stages(self, model: nn.Module, config: ParallelConfig, parallelize_fn):
         """cp x pp: ``parallelize_fn`` followed by CP as the attention wrapper of each stage's layers
@@ -224,6 +247,10 @@ class ParallelRuntime:
             if self.context is not None:  # cp x pp: shard the sequences, then the schedule splits micro-batches
                 batch = self.context.shard_batch(*batch)[:2]
             return self._pipeline_forward(*batch, accumulate, stage, train)
+        if train and self.graph is not None:  # the captured forward + backward (lockstep.graph.step)
+            objective = objective or self.graph.default_objective(LMObjective)
+            with self.loss_context(), stage("forward_backward"):
+                return self.graph.step(self.model, objective, batch, accumulate, self.autocast, self.dtype)
         if objective is None:
             objective = LMObjective(self.context)
         with self.loss_context():

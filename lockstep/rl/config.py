@@ -23,7 +23,7 @@ from lockstep.rl.losses import LossConfig
 from lockstep.rl.rollout import RolloutConfig
 from lockstep.run.config import SinkOutputs, validate_device
 from lockstep.run.nonfinite import validate_nonfinite
-from lockstep.train.config import require_batch_invariant_on_cpu
+from lockstep.train.config import TRAINING_MODES, require_batch_invariant_on_cpu
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
 #: what the loss's importance ratio divides by (see RLTrainingConfig.ratio_to)
@@ -154,6 +154,9 @@ class RLTrainingConfig(Config):
     threads: int = 0
     #: where the trainer's model and batches live: "auto" (CUDA when available), "cpu" or "cuda"
     device: str = "auto"
+    #: how a micro-batch's forward + backward runs: "eager" (autograd) or "graph" (captured as one FX graph
+    #: with default passes, bitwise equal to eager; a micro-batch of other sequences re-captures)
+    mode: str = "eager"
     #: non-finite loss/grad norm: "stop" (nothing saved from it), "skip_step" (drop the update), "rollback" (newest checkpoint)
     on_nonfinite: str = "stop"
     #: rollbacks allowed per run before on_nonfinite=rollback stops
@@ -163,6 +166,7 @@ class RLTrainingConfig(Config):
         require(self.micro_batch_size >= 0, f"{path}.micro_batch_size", f"must be >= 0, got {self.micro_batch_size}")
         require(self.max_grad_norm >= 0, f"{path}.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
         require_choice(self.ratio_to, RATIO_TO, f"{path}.ratio_to")
+        require_choice(self.mode, TRAINING_MODES, f"{path}.mode")
         require(self.threads >= 0, f"{path}.threads", f"must be >= 0, got {self.threads}")
         validate_device(self.device, f"{path}.device")
         validate_nonfinite(self.on_nonfinite, self.max_rollbacks, path)

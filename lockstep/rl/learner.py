@@ -28,6 +28,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from lockstep.parallel.dims import ParallelConfig
@@ -37,6 +38,11 @@ from lockstep.rl.config import RLConfig
 from lockstep.rl.objective import PolicyBatch, PolicyObjective, pad_rows
 from lockstep.rl.rollout import Episode
 from lockstep.run.nonfinite import nonfinite_values
+
+# graph mode flattens a micro-batch with pytree: its tensors become graph inputs, the token lists are part
+# of the capture's key (``lockstep.graph.step``)
+if PolicyBatch not in pytree.SUPPORTED_NODES:
+    pytree.register_dataclass(PolicyBatch)
 
 
 @dataclasses.dataclass
@@ -86,7 +92,7 @@ class Learner:
         self.config = config
         if runtime is None:
             runtime = ParallelRuntime.local(config.training.device)
-            model = runtime.parallelize(model, ParallelConfig(dp_shard=1))
+            model = runtime.parallelize(model, ParallelConfig(dp_shard=1), mode=config.training.mode)
         self.runtime, self.model = runtime, model
         self.dp, self.dp_rank, self.group = runtime.world_size, runtime.dp_rank, runtime.group
         self.optimizer = config.optimizer.build(model)
@@ -184,6 +190,8 @@ class Learner:
             **logprob_diff(gen_tokens, trainer_tokens),
         }
         out["loss/reward_mean"] = float(adv_metrics["reward_mean"])
+        if self.runtime.graph is not None:  # graphs captured so far (training.mode=graph)
+            out["graph/captures"] = self.runtime.graph.captures
         if bad:
             out["nonfinite"] = bad  # the trainer's NonFiniteGuard decides (and pops it)
         return out

@@ -58,10 +58,8 @@ def score_logprobs(model: nn.Module, sequences: Sequence[Sequence[int] | torch.T
     numerics.prepare_model(model)
     device = model.tok_embeddings.weight.device
     width = max(len(s) for s in ids)
-    tokens = torch.zeros(len(ids), width, dtype=torch.long)
-    for i, seq in enumerate(ids):
-        tokens[i, : len(seq)] = torch.tensor(seq)
-    tokens = tokens.to(device)
+    # one tensor from the padded lists (a graph capture records it as one constant)
+    tokens = torch.tensor([seq + [0] * (width - len(seq)) for seq in ids], dtype=torch.long).to(device)
     rows = [(i, p - 1, len(s) - 1) for i, (s, p) in enumerate(zip(ids, lengths))]
     if full_forward:
         everything = model(tokens)

@@ -65,7 +65,8 @@ class RLTrainer:
         reference = None
         if config.loss.kl_coef > 0 and runtime.distributed:  # copied before sharding: FSDP refuses deepcopy
             reference = runtime.shard_frozen(copy.deepcopy(policy.model), config.parallel)
-        self.model = runtime.parallelize(policy.model, config.parallel)  # FSDP2/HSDP over the trainer ranks
+        self.model = runtime.parallelize(policy.model, config.parallel,  # FSDP2/HSDP over the trainer ranks
+                                         mode=config.training.mode)
         self.learner = Learner(run_config, self.model, runtime, reference=reference)
         self.env = run_config.task.build()
         self.engine = self.rollout = None

@@ -21,6 +21,7 @@ from lockstep import numerics
 from lockstep.compile.blocks import apply_compile
 from lockstep.config.base import ConfigError, to_dict
 from lockstep.data.config import DataBundle
+from lockstep.graph.step import graph_manifest
 from lockstep.models.common.transformer import Transformer, build_model
 from lockstep.observe import RunManifest, StageTimer, mfu, peak_matmul_record, peak_rss_bytes, plot_loss, read_metrics
 from lockstep.parallel.runtime import ParallelRuntime, lm_loss  # noqa: F401  (lm_loss: re-exported)
@@ -102,7 +103,8 @@ class Trainer:
                 from lockstep.rl.agreement import measure_agreement
 
                 self.agreement = measure_agreement(model, seed=config.seed)
-        self.model: Transformer = self.runtime.parallelize(model, config.parallel, cfg.activation_checkpoint)
+        self.model: Transformer = self.runtime.parallelize(model, config.parallel, cfg.activation_checkpoint,
+                                                           mode=cfg.mode, graph_config=config.graph)
         apply_compile(self.model, config.compile, batch_invariant=config.numerics.batch_invariant)
         self.pipeline = self.runtime.pipeline  # None unless pp > 1: then self.model holds this rank's stages
         self.optimizer = config.optimizer.build(self.model)
@@ -154,6 +156,7 @@ class Trainer:
                 "val_tokens": self.data.val_tokens,
             },
             transforms=list(self.config.transforms),
+            graph=graph_manifest(self.runtime),
             init_from={"name": self.config.init_from, "path": str(self.init_path)} if self.init_path else None,
         )
         if self.agreement is not None:
@@ -184,6 +187,8 @@ class Trainer:
             grad_norm = self.runtime.clip_gradients(max_norm)
         out = scalars.reduce()  # the step's one host synchronisation, before the update
         record = {"loss": out.pop("loss"), "lr": lr, "grad_norm": float(grad_norm), **out}
+        if self.runtime.graph is not None:  # graphs captured so far: a changed shape adds one
+            record["graph/captures"] = self.runtime.graph.captures
         bad = nonfinite_values(loss=record["loss"], grad_norm=record["grad_norm"])
         with self.timer.stage("optimizer"):
             if bad:  # never applied: the policy (``_fit``) decides what happens next

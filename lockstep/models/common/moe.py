@@ -30,6 +30,7 @@ from torch import nn
 
 from lockstep import numerics
 from lockstep.config.base import require, require_choice, require_positive
+from lockstep.graph.state import is_capturing
 from lockstep.models.common.mlp import FeedForwardConfig, SwiGLU, clamped_swiglu
 from lockstep.models.common.moe_routing import (
     balance_bias_update,
@@ -178,8 +179,37 @@ def _pad_groups(x: torch.Tensor, counts: torch.Tensor,
     expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts, output_size=n)
     shift = (padded_counts.cumsum(0) - padded_counts) - (counts.cumsum(0) - counts)
     rows = torch.arange(n, device=x.device) + shift[expert]
-    padded = x.new_zeros(int(padded_counts.sum()), x.shape[1]).index_copy(0, rows, x)
+    padded = x.new_zeros(_padded_rows(counts, padded_counts, bucket, n), x.shape[1]).index_copy(0, rows, x)
     return padded, padded_counts, rows
+
+
+def _padded_rows(counts: torch.Tensor, padded_counts: torch.Tensor, bucket: int, n: int) -> int:
+    """Rows of the padded input: the groups' padded total, read on the host; while a graph capture
+    traces (no host reads), its static upper bound instead -- the groups keep their exact padded sizes
+    and the rows past the last group are left to :func:`_mask_tail` (so each group's matmuls, and the
+    weight gradients, are the same as eager's)."""
+    if is_capturing():
+        return (n + counts.shape[0] * (bucket - 1)) // bucket * bucket
+    return int(padded_counts.sum())
+
+
+def _mask_tail(t: torch.Tensor, offs: torch.Tensor, padded: bool) -> torch.Tensor:
+    """Zero the rows past the last group (``torch._grouped_mm`` leaves them unwritten); they exist only
+    in a padded input (``padded``) under a capture."""
+    if not (padded and is_capturing()):
+        return t
+    valid = torch.arange(t.shape[0], device=t.device) < offs[-1]
+    return torch.where(valid.unsqueeze(1), t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def _row_experts(counts: torch.Tensor, offs: torch.Tensor, n: int, padded: bool) -> torch.Tensor:
+    """Each of the ``n`` (padded) rows' expert; under a capture the rows past the last group (masked to
+    zero by :func:`_mask_tail`, so they add exact zeros to the last expert's bias gradient) count as
+    the last expert's."""
+    if not (padded and is_capturing()):
+        return torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts, output_size=n)
+    rows = torch.arange(n, device=counts.device, dtype=offs.dtype)
+    return torch.searchsorted(offs, rows, right=True).clamp(max=counts.shape[0] - 1)
 
 
 def _recomputing() -> bool:
@@ -257,17 +287,20 @@ class GroupedExperts(nn.Module):
         if x.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
             x, counts, rows = _pad_groups(x, counts, _CPU_ROW_BUCKET)
         offs = counts.cumsum(0).to(torch.int32)
+        padded = rows is not None
         w1, w2, w3 = (w.to(dtype) for w in self.local_weights())
         gate = _contiguous_grad(torch._grouped_mm(x, w1.mT, offs=offs))
         up = _contiguous_grad(torch._grouped_mm(x, w3.mT, offs=offs))
         if self.b1 is None:
-            out = _contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs))
+            act = self._act(_mask_tail(gate, offs, padded), _mask_tail(up, offs, padded))
+            out = _contiguous_grad(torch._grouped_mm(act, w2.mT, offs=offs))
             return out if rows is None else out[rows]
-        expert = torch.repeat_interleave(torch.arange(self.n_experts, device=x.device), counts,
-                                         output_size=x.shape[0])  # each row's expert
+        expert = _row_experts(counts, offs, x.shape[0], padded)  # each row's expert
         b1, b3, b2 = self.local_biases()
-        gate, up = gate + b1.to(dtype)[expert], up + b3.to(dtype)[expert]
-        out = _contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs))
+        # masked after the bias: the tail's (unwritten) gradients must not reach the bias gradients
+        gate = _mask_tail(gate + b1.to(dtype)[expert], offs, padded)
+        up = _mask_tail(up + b3.to(dtype)[expert], offs, padded)
+        out = _mask_tail(_contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs)), offs, padded)
         out = out + b2.to(dtype)[expert]
         return out if rows is None else out[rows]
 
