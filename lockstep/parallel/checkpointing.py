@@ -50,7 +50,8 @@ class ActivationCheckpointConfig(Config):
                 f"names save regions of mode 'regions', but mode is {self.mode!r}; set {path}.mode=regions "
                 "or leave save empty")
         for entry in self.save:
-            require(isinstance(entry, str) and entry != "", f"{path}.save", f"entries must be non-empty globs, got {entry!r}")
+            require(isinstance(entry, str) and entry != "", f"{path}.save",
+                    f"entries must be non-empty globs, got {entry!r}")
         from lockstep.parallel.remat_regions import check_op_kinds
 
         check_op_kinds(self.save, f"{path}.save")

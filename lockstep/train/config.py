@@ -79,6 +79,10 @@ class TrainingConfig(Config):
                 f"is a section now: ActivationCheckpointConfig(mode=...), got {self.activation_checkpoint!r} "
                 f"(on the command line: --{path}.activation-checkpoint.mode)")
         self.activation_checkpoint.validate(f"{path}.activation_checkpoint")
+        require(self.mode == "eager" or self.activation_checkpoint.mode != "regions",
+                f"{path}.activation_checkpoint.mode",
+                f"'regions' (torch_remat, eager) cannot be captured by {path}.mode=graph; the graph trainer chooses "
+                "what to save with its own passes (the graph section)")
         validate_device(self.device, f"{path}.device")
         validate_nonfinite(self.on_nonfinite, self.max_rollbacks, path)
 

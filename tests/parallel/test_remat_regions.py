@@ -277,3 +277,8 @@ def test_regions_train_like_none_under_fsdp(tmp_path):
     got = _train_losses(tmp_path / "regions", layout + ["--training.activation-checkpoint.mode", "regions",
                                                         "--training.activation-checkpoint.save", WO, "op:attention"])
     assert len(none) == 2 and got == none
+
+
+def test_regions_are_refused_in_the_graph_trainer():
+    with pytest.raises(ConfigError, match=r"^training.activation_checkpoint.mode: 'regions' .* training.mode=graph"):
+        TrainingConfig(mode="graph", activation_checkpoint=regions(WO)).validate()
