@@ -19,10 +19,17 @@ checkpointing, whose wrapper calls the compiled block in forward and again when 
 With pipeline parallel, ``model`` is the ModuleList of this rank's stages: each stage's paths are
 matched, and a glob is dead only if no stage matches it.
 
-Eager fallbacks, by design: a call with a KV cache (generation: shapes change every decode step,
-``dynamic=False`` would compile each) and any call while a graph capture traces
-(``lockstep.graph.state.is_capturing()``: the graph trainer inlines the plain forward and runs its own
-passes). Named regions (:mod:`lockstep.compile.local`) inside a compiled block are inlined into it.
+Eager fallbacks, by design: calls without autograd (``torch.no_grad``: evaluation, sampling,
+generation, whose lengths change call to call and would each compile under ``dynamic=False``) and
+calls while a graph capture traces (``lockstep.graph.state.is_capturing()``: the graph trainer inlines
+the plain forward and runs its own passes). Named regions (:mod:`lockstep.compile.local`) inside a
+compiled block are inlined into it.
+
+Limits (measured with torch 2.13): MoE blocks do not compile whole. The grouped-mm experts fail to
+trace in fp32 (``torch._grouped_mm``'s meta kernel accepts bf16 only, while the CPU kernel runs fp32)
+and the expert loop breaks the graph at its data-dependent group sizes (11 compiled frames for 4
+qwen3_moe blocks, 9 for 2: not one per block class); for MoE families
+compile ``layers.*.attention`` and the ``moe_router`` / ``rmsnorm`` / ``swiglu`` regions instead.
 """
 
 from __future__ import annotations
@@ -85,12 +92,12 @@ def compile_forward(module: nn.Module, backend: str, compiled: dict[Callable, Ca
 
 
 class CompiledForward:
-    """A module's forward: the shared compiled function, or the plain one (KV cache, graph capture)."""
+    """A module's forward: the shared compiled function, or the plain one (no grad, graph capture)."""
 
     def __init__(self, module: nn.Module, plain: Callable, compiled: Callable) -> None:
         self.module, self.plain, self.compiled = module, plain, compiled
 
     def __call__(self, *args, **kwargs):
-        if kwargs.get("cache") is not None or is_capturing():
+        if not torch.is_grad_enabled() or is_capturing():
             return self.plain(self.module, *args, **kwargs)
         return self.compiled(self.module, *args, **kwargs)

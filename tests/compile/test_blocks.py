@@ -4,17 +4,22 @@ follow the override rule (dead globs are errors), and the Trainer trains with it
 
 import copy
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from lockstep.compile.blocks import apply_compile
 from lockstep.compile.config import CompileConfig
 from lockstep.config.base import ConfigError
+from lockstep.graph.state import capturing
 from lockstep.models.common.transformer import build_model
 from lockstep.models.registry import model_config
+from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.recipes import get_recipe
 from lockstep.train.trainer import Trainer
 
@@ -35,13 +40,10 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("checkpointed", [False, True])
-def test_one_compile_serves_every_layer_bitwise_with_aot_eager(checkpointed):
+@pytest.mark.parametrize("checkpoint", ["none", "full", "selective"])
+def test_one_compile_serves_every_layer_bitwise_with_aot_eager(checkpoint):
     eager = _model()
-    model = copy.deepcopy(eager)
-    if checkpointed:  # what training.activation_checkpoint=full wraps each block in
-        for name, block in list(model.layers.named_children()):
-            model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+    model = apply_activation_checkpointing(copy.deepcopy(eager), checkpoint)  # wrappers around the blocks
     paths = apply_compile(model, CompileConfig(modules=["layers.*"], backend="aot_eager"))
     assert paths == ["layers.0", "layers.1", "layers.2", "layers.3"]  # the blocks, not their submodules
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -79,10 +81,47 @@ def _debug(tmp_path, name, **compile_fields):
 def test_trainer_with_compiled_blocks(tmp_path):
     """3 steps of the debug recipe with ``--compile.modules layers.*``: aot_eager gives eager's losses
     bitwise; Inductor within 1e-5 absolute on losses ~8 (fused reductions in the norms and softmax
-    grads reorder sums: measured 1e-6). The final greedy sample runs with a KV cache, which takes the
-    eager forward."""
+    grads reorder sums: measured 1e-6). The final greedy sample (no grad, a new length per token)
+    takes the eager forward."""
     base = Trainer(_debug(tmp_path, "eager")).fit().losses
     assert Trainer(_debug(tmp_path, "aot", modules=["layers.*"], backend="aot_eager")).fit().losses == base
     inductor = Trainer(_debug(tmp_path, "inductor", modules=["layers.*"], backend="inductor")).fit().losses
     assert len(inductor) == len(base)
     assert max(abs(a - b) for a, b in zip(inductor, base)) <= 1e-5
+
+
+def _cli_losses(run_dir, extra=(), env=None):
+    cmd = [sys.executable, "-m", "lockstep.cli", "train", "--recipe", "debug", "--run-dir", str(run_dir),
+           "--steps", "3", "--validation.every", "0", "--output.no-progress", "--output.sample-tokens", "0",
+           "--output.no-save-weights", "--nproc", "2", "--parallel.dp-shard", "2", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r], proc.stderr
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_fsdp2_are_bitwise_with_aot_eager(tmp_path):
+    """dp_shard=2 (FSDP2): the compiled inner forward runs between FSDP's eager all-gather and
+    reshard hooks on the unsharded parameters; same layout, same kernels: bitwise losses. Each rank
+    traces one graph for both blocks (dynamo's graph_code log)."""
+    base, _ = _cli_losses(tmp_path / "eager")
+    losses, log = _cli_losses(tmp_path / "compiled", ["--compile.modules", "layers.*", "--compile.backend", "aot_eager"],
+                              env={"TORCH_LOGS": "graph_code"})
+    assert losses == base and len(base) == 3
+    assert log.count("TRACED GRAPH") == 2  # one per rank, not one per layer
+
+
+def test_no_grad_and_graph_capture_run_the_plain_forward():
+    """Evaluation, sampling and generation (no grad: new lengths every call) and a graph capture
+    (which traces the plain forward itself) never reach the compiled code."""
+    model = _model(n_layers=2)
+    apply_compile(model, CompileConfig(modules=["layers.*"], backend="aot_eager"))
+    tokens = torch.randint(0, 256, (2, 9))
+    before = _graphs()
+    with torch.no_grad():
+        model(tokens)
+    with capturing():
+        model(tokens)
+    assert _graphs() == before

@@ -92,8 +92,11 @@ def test_inductor_region_is_close_to_eager(case):
     on values up to ~140; the bound 1e-5 relative + 1e-5 absolute is far below what a wrong formula moves."""
     name, fn, args, kwargs = case
     eager_out, eager_grads = _run(fn, args, kwargs)
+    torch._dynamo.reset()  # count this test's compile only
+    before = _graphs()
     with regions_enabled([name], "inductor"):
         out, grads = _run(fn, args, kwargs)
+    assert _graphs() > before
     for a, b in zip(out + grads, eager_out + eager_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
