@@ -32,9 +32,12 @@ COMMON = ["--recipe", "debug", "--steps", "6", "--checkpoint-every", "1", "--che
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    run = tmp_path_factory.mktemp("recovery") / "base"
-    assert main(["train", *COMMON, "--run-dir", str(run), "--stop-after", "4"]) == 0
+def base(computed_once) -> Path:
+    """The base run, made once per test run (tests copy it, never change it)."""
+    def make(root: Path) -> None:
+        assert main(["train", *COMMON, "--run-dir", str(root / "base"), "--stop-after", "4"]) == 0
+
+    run = computed_once("recovery base", make) / "base"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == \
         ["latest", "step-00000001", "step-00000002", "step-00000003", "step-00000004"]
     return run

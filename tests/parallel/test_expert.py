@@ -6,7 +6,7 @@ only batched with other rows, so outputs move by ~1e-7 and a loss of ~8 by ~1e-7
 token sent to the wrong expert, a result returned to the wrong row, or an expert gradient missing
 a rank's tokens (or scaled by the wrong factor) moves them by >1e-3.
 
-One spawn runs every check (module fixture); the tests read its results.
+One spawn runs every check (``computed_once``: one per test run); the tests read its results.
 """
 
 import datetime
@@ -184,9 +184,9 @@ def _worker(rank, world, init_file, out_dir):
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ep")
-    mp.spawn(_worker, args=(WORLD, str(tmp / "init"), str(tmp)), nprocs=WORLD, join=True)
+def results(computed_once):
+    tmp = computed_once("expert-parallel spawn", lambda d: mp.spawn(
+        _worker, args=(WORLD, str(d / "init"), str(d)), nprocs=WORLD, join=True))
     return [torch.load(tmp / f"rank{r}.pt") for r in range(WORLD)]
 
 

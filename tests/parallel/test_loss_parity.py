@@ -37,23 +37,23 @@ def _train(run_dir, recipe, nproc=1, extra=(), save_weights=False):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return _loss_records(run_dir), run_dir
+
+
+def _loss_records(run_dir):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in records if "loss" in r], run_dir
+    return [r for r in records if "loss" in r]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(computed_once):
     """One-process (losses, run dir with model.safetensors) per (recipe, model flags), computed once
-    each on first use."""
-    root = tmp_path_factory.mktemp("ref")
-    cache = {}
+    each on first use (once per test run: the xdist workers share them)."""
 
     def get(recipe, model_flags=()):
-        key = (recipe, tuple(model_flags))
-        if key not in cache:
-            records, run_dir = _train(root / f"{recipe}-{len(cache)}", recipe, extra=model_flags, save_weights=True)
-            cache[key] = records, run_dir
-        return cache[key]
+        key = f"loss-parity reference {recipe} {' '.join(model_flags)}"
+        run_dir = computed_once(key, lambda d: _train(d / "run", recipe, extra=model_flags, save_weights=True))
+        return _loss_records(run_dir / "run"), run_dir / "run"
 
     return get
 

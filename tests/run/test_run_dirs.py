@@ -17,15 +17,18 @@ pytestmark = pytest.mark.xdist_group("trainer")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("runs")
-    assert main(["train", "--recipe", "debug", "--run-dir", str(root / "train"), "--steps", "3",
-                 "--checkpoint.every", "2", "--checkpoint.mode", "sync", "--validation.every", "0",
-                 "--output.no-progress", "--output.sample-tokens", "0", "--output.no-save-weights"]) == 0
-    assert main(["rl", "--recipe", "rl-debug", "--run-dir", str(root / "rl"), "--steps", "3",
-                 "--workers.generators", "0", "--checkpoint.every", "2", "--checkpoint.mode", "sync",
-                 "--output.no-progress", "--output.no-save-weights"]) == 0
-    numerics.set_batch_invariant(False)
+def runs(computed_once):
+    """A train and an rl run, made once per test run (the tests only read them)."""
+    def make(root):
+        assert main(["train", "--recipe", "debug", "--run-dir", str(root / "train"), "--steps", "3",
+                     "--checkpoint.every", "2", "--checkpoint.mode", "sync", "--validation.every", "0",
+                     "--output.no-progress", "--output.sample-tokens", "0", "--output.no-save-weights"]) == 0
+        assert main(["rl", "--recipe", "rl-debug", "--run-dir", str(root / "rl"), "--steps", "3",
+                     "--workers.generators", "0", "--checkpoint.every", "2", "--checkpoint.mode", "sync",
+                     "--output.no-progress", "--output.no-save-weights"]) == 0
+        numerics.set_batch_invariant(False)
+
+    root = computed_once("run-dirs train and rl", make)
     return root / "train", root / "rl"
 
 
