@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lockstep.parallel.checkpointing import ActivationCheckpointConfig
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.launch import check_one_gpu_per_rank, init_distributed, resolve_device
 from lockstep.run.objective import LMObjective, Objective, lm_loss  # noqa: F401  (lm_loss: re-exported)
@@ -132,7 +133,8 @@ class ParallelRuntime:
         model = parallelize_dense(model.to(self.device), self.dims, self.mesh, config, "none")
         return model.eval().requires_grad_(False)
 
-    def parallelize(self, model: nn.Module, config: ParallelConfig, activation_checkpoint: str = "none", *,
+    def parallelize(self, model: nn.Module, config: ParallelConfig,
+                    activation_checkpoint: ActivationCheckpointConfig | str = "none", *,
                     mode: str = "eager", graph_config=None) -> nn.Module:
         """The model's plan applied for this layout (one process: activation checkpointing only).
 
@@ -156,9 +158,11 @@ class ParallelRuntime:
                 self.context.install(model)
             self.model = model
             return model
+        from lockstep.parallel.checkpointing import check_save_globs
         from lockstep.parallel.pipeline import PipelineRunner
         from lockstep.parallel.pipeline_parallelize import stage_parallelizer
 
+        check_save_globs(model, activation_checkpoint)  # each stage holds only some of the blocks
         parallelize_fn = stage_parallelizer(self.dims, self.mesh, config, activation_checkpoint)
         if self.dims.cp > 1:
             parallelize_fn = self._context_stages(model, config, parallelize_fn)
