@@ -27,7 +27,7 @@ from lockstep.models.common.gated_deltanet import GatedDeltaNet
 from lockstep.models.common.mla import MultiHeadLatentAttention
 from lockstep.models.common.mlp import SwiGLU
 from lockstep.models.common.moe import MoE
-from lockstep.parallel.checkpointing import apply_activation_checkpointing
+from lockstep.parallel.checkpointing import ActivationCheckpointConfig, apply_activation_checkpointing
 from lockstep.parallel.dims import ParallelConfig, ParallelDims
 from lockstep.parallel.expert import apply_expert_parallel, expert_parameters
 from lockstep.parallel.fsdp import DTYPES, apply_fsdp, dp_mesh, expert_mesh
@@ -133,7 +133,8 @@ def _require_tp_blocks(model: nn.Module) -> None:
 
 
 def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: ParallelConfig,
-                      activation_checkpoint: str = "none", *, traceable: bool = False) -> nn.Module:
+                      activation_checkpoint: ActivationCheckpointConfig | str = "none", *,
+                      traceable: bool = False) -> nn.Module:
     """Apply TP (if tp > 1), activation checkpointing, then FSDP2 (if dp > 1), in place.
 
     The order matters: TP plans name modules inside blocks (before AC wraps them), and FSDP units
@@ -164,7 +165,7 @@ def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: Parall
 
 
 def _parallelize_traceable(model: nn.Module, dims: ParallelDims, mesh, config: ParallelConfig,
-                           activation_checkpoint: str) -> nn.Module:
+                           activation_checkpoint: ActivationCheckpointConfig | str) -> nn.Module:
     """Activation checkpointing, then traceable FSDP over the data-parallel mesh (if dp > 1)."""
     from lockstep.graph.simple_fsdp import simple_fsdp
 
