@@ -4,11 +4,13 @@ compute other bits than eager?
 :func:`first_divergence` runs the eager forward + loss + ``torch.autograd.grad`` of one micro-batch under a
 ``TorchDispatchMode`` that records every aten op and a copy of its outputs, in order, then runs the graph
 with an ``fx.Interpreter`` recording each node's outputs, and walks the graph's nodes in order, matching
-each to the next eager op with the same target and output shapes (eager ops the passes removed are
+each to the next eager op with the same target and output shapes/dtypes (eager ops the passes removed are
 skipped; recomputed copies are not matched, their users are). The first matched node whose outputs differ
 (beyond ``atol``; 0 = any bit) is reported with its name, op, module path, phase and max abs difference.
 
-Both runs start from the same random generator state, so random ops draw the same numbers. The records
+The eager run takes the model's capture-time code paths (``lockstep.graph.state.capturing``: no host
+reads, shape-static MoE dispatch), so its ops line up with the graph's. Both runs start from the same
+random generator state, so random ops draw the same numbers. The records
 hold a copy of every intermediate: meant for debug-sized models and a few steps.
 """
 
@@ -24,10 +26,25 @@ import torch.fx
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lockstep.graph.state import capturing
+
 #: how far ahead in the eager record a graph node's counterpart is looked for
 _WINDOW = 256
-#: ops whose outputs are uninitialized memory (compared only once something writes them)
-_UNINITIALIZED = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+#: ops whose outputs start as uninitialized memory
+_EMPTY = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+
+
+def _settle(func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    """Zero what an op leaves unwritten, in both runs alike, so that garbage is not a difference:
+    ``empty*`` outputs, and the rows of a ``_grouped_mm`` past its last group (MoE padding rows, which
+    the model never reads back as results)."""
+    name = getattr(func, "_opname", "")
+    if name in _EMPTY and isinstance(out, torch.Tensor):
+        out.zero_()
+    elif name == "_grouped_mm" and isinstance(out, torch.Tensor) and out.dim() == 2:
+        offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+        if isinstance(offs, torch.Tensor) and offs.numel():
+            out[int(offs[-1]):].zero_()
 
 
 @dataclasses.dataclass
@@ -65,7 +82,9 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[tuple[Any, list[torch.Tensor]]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        _settle(func, args, kwargs, out)
         self.ops.append((func, _snapshot(out)))
         return out
 
@@ -78,6 +97,8 @@ class _GraphRecorder(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            _settle(n.target, args, kwargs, out)
             self.values[n] = _snapshot(out)
         return out
 
@@ -89,7 +110,9 @@ def record_eager(model: torch.nn.Module, objective: Callable, batch: Any, *,
     ``objective(model, batch)`` returns the loss or ``(loss, report)``, as ``capture_step`` takes it."""
     params = [p for p in model.parameters() if p.requires_grad]
     recorder = _Recorder()
-    with recorder, torch.enable_grad():
+    # capturing(): the model takes the code paths it took while traced (no host reads, static shapes),
+    # so the eager ops line up with the graph's nodes
+    with capturing(), recorder, torch.enable_grad():
         with autocast():
             out = objective(model, batch)
             loss = (out[0] if isinstance(out, tuple) else out) / accumulate
@@ -117,8 +140,8 @@ def _diff(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
     return worst
 
 
-def _same_shapes(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
-    return len(got) == len(want) and all(a.shape == b.shape for a, b in zip(got, want))
+def _same_kind(got: list[torch.Tensor], want: list[torch.Tensor]) -> bool:
+    return len(got) == len(want) and all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(got, want))
 
 
 def compare(gm: torch.fx.GraphModule, graph_values: dict[torch.fx.Node, list[torch.Tensor]],
@@ -128,11 +151,11 @@ def compare(gm: torch.fx.GraphModule, graph_values: dict[torch.fx.Node, list[tor
     cursor, matched = 0, 0
     for index, node in enumerate(gm.graph.nodes):
         got = graph_values.get(node)
-        if got is None or "recomputed_from" in node.meta or node.target._opname in _UNINITIALIZED:
+        if got is None or "recomputed_from" in node.meta:
             continue
         for j in range(cursor, min(cursor + _WINDOW, len(eager_ops))):
             func, want = eager_ops[j]
-            if func == node.target and _same_shapes(got, want):
+            if func == node.target and _same_kind(got, want):
                 break
         else:
             continue
