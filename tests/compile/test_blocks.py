@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 from lockstep.compile.blocks import apply_compile
 from lockstep.compile.config import CompileConfig
+from lockstep.compile.local import regions_enabled
 from lockstep.config.base import ConfigError
 from lockstep.graph.state import capturing
 from lockstep.models.common.transformer import build_model
@@ -80,11 +81,14 @@ def _debug(tmp_path, name, **compile_fields):
 
 def test_trainer_with_compiled_blocks(tmp_path):
     """3 steps of the debug recipe with ``--compile.modules layers.*``: aot_eager gives eager's losses
-    bitwise; Inductor within 1e-5 absolute on losses ~8 (fused reductions in the norms and softmax
+    bitwise (so do the regions rmsnorm, swiglu, rope and loss); Inductor within 1e-5 absolute on losses ~8 (fused reductions in the norms and softmax
     grads reorder sums: measured 1e-6). The final greedy sample (no grad, a new length per token)
     takes the eager forward."""
     base = Trainer(_debug(tmp_path, "eager")).fit().losses
     assert Trainer(_debug(tmp_path, "aot", modules=["layers.*"], backend="aot_eager")).fit().losses == base
+    with regions_enabled([]):  # the Trainer switches regions on for the process; restore after
+        regions = ["rmsnorm", "swiglu", "rope", "loss"]
+        assert Trainer(_debug(tmp_path, "regions", regions=regions, backend="aot_eager")).fit().losses == base
     inductor = Trainer(_debug(tmp_path, "inductor", modules=["layers.*"], backend="inductor")).fit().losses
     assert len(inductor) == len(base)
     assert max(abs(a - b) for a, b in zip(inductor, base)) <= 1e-5
