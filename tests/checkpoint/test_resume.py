@@ -8,6 +8,7 @@ read back unsharded, are bitwise equal tensor by tensor (model and optimizer).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -129,10 +130,26 @@ RESHARD = [
 @pytest.mark.slow
 @pytest.mark.parametrize("name, recipe, n_save, save_layout, n_load, load_layout", RESHARD,
                          ids=[r[0] for r in RESHARD])
-def test_resharding_load_is_exact(tmp_path, name, recipe, n_save, save_layout, n_load, load_layout):
-    src = tmp_path / "src"
+def test_resharding_load_is_exact(tmp_path, computed_once, name, recipe, n_save, save_layout, n_load, load_layout):
     shape = ["--model.n-layers", "4"] if "--model.n-layers" in load_layout else []
-    _run(["--recipe", recipe, "--steps", "3", "--run-dir", str(src), "--checkpoint-every", "3",
-          *save_layout, *shape], n_save)
+    args = ["--recipe", recipe, "--steps", "3", "--checkpoint-every", "3", *save_layout, *shape]
+    # cases saving under the same layout (fsdp2-to-1, fsdp2-to-tp2) share one saving run, each resuming a copy
+    saved = computed_once(f"reshard source {n_save} {' '.join(args)}",
+                          lambda d: _run([*args, "--run-dir", str(d / "src")], n_save))
+    src = Path(shutil.copytree(saved / "src", tmp_path / "src"))
     _reshard(src, tmp_path / "again", recipe, n_load, load_layout)
     _assert_same_state(src / "checkpoints", tmp_path / "again")
+
+
+def test_resume_may_change_how_the_step_executes(tmp_path):
+    """Execution settings are resumable (``RESUMABLE_CHANGES``): a run checkpointed in eager mode and
+    resumed as a captured graph with activation recomputation trains bitwise like the straight run."""
+    common = ["--recipe", "debug", "--steps", "4"]
+    _run([*common, "--run-dir", str(tmp_path / "straight")])
+    _run([*common, "--run-dir", str(tmp_path / "resumed"), "--checkpoint-every", "2", "--stop-after", "2"])
+    out = _run([*common, "--run-dir", str(tmp_path / "resumed"), "--checkpoint-every", "2", "--resume",
+                "--training.mode", "graph", "--training.activation-checkpoint.mode", "full"])
+    assert "from the step 2 checkpoint" in out
+    straight, resumed = _records(tmp_path / "straight"), _records(tmp_path / "resumed")
+    assert [(r["step"], r["loss"]) for r in straight if "loss" in r] == \
+        [(r["step"], r["loss"]) for r in resumed if "loss" in r]
