@@ -41,11 +41,12 @@ from torch import nn
 
 from lockstep.compile.config import CompileConfig
 from lockstep.compile.local import enable_regions
+from lockstep.config.base import ConfigError
 from lockstep.config.overrides import match_module_globs
 from lockstep.graph.state import is_capturing
 
 #: path segments that wrappers insert (activation checkpointing, torch.compile's OptimizedModule)
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_orig_mod")
 
 
 def apply_compile(model: nn.Module, config: CompileConfig, *, batch_invariant: bool = False) -> list[str]:
@@ -66,7 +67,7 @@ def apply_compile(model: nn.Module, config: CompileConfig, *, batch_invariant: b
         for path in sorted(selected & modules.keys()):
             if any(path.startswith(other + ".") for other in selected):
                 continue  # inside another match: compiled as part of it
-            compile_forward(modules[path], config.backend, compiled)
+            compile_forward(modules[path], config.backend, compiled, path=path)
             done.append(path if len(parts) == 1 else f"{index}.{path}")
     return done
 
@@ -81,9 +82,21 @@ def logical_modules(model: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def compile_forward(module: nn.Module, backend: str, compiled: dict[Callable, Callable] | None = None) -> None:
+def compile_forward(module: nn.Module, backend: str, compiled: dict[Callable, Callable] | None = None,
+                    path: str = "") -> None:
     """Route ``module``'s forward through one ``torch.compile`` of its class's forward function, shared
-    through ``compiled`` (function -> compiled function) with every module of that function."""
+    through ``compiled`` (function -> compiled function) with every module of that function.
+
+    A forward already replaced on the instance by someone else (``activation_checkpoint.mode=regions``
+    makes each block's forward a torch_remat region that way) is a ConfigError: compiling the class's
+    forward would silently drop that wrapper."""
+    current = module.__dict__.get("forward")
+    if current is not None and not isinstance(current, CompiledForward):
+        raise ConfigError(
+            f"compile.modules: {path or type(module).__name__}'s forward is already wrapped on the instance "
+            f"({getattr(current, '__qualname__', type(current).__name__)}; activation_checkpoint.mode=regions "
+            "wraps blocks this way), and compiling the class's forward would drop that wrapper; compile other "
+            "modules or use activation_checkpoint.mode none/full/selective")
     compiled = {} if compiled is None else compiled
     function = type(module).forward
     if function not in compiled:

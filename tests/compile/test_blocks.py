@@ -69,6 +69,19 @@ def test_glob_selects_submodules_and_dead_glob_is_an_error():
         apply_compile(_model(n_layers=2), CompileConfig(modules=["blocks.*"]))
 
 
+def test_a_forward_wrapped_on_the_instance_is_refused_not_dropped():
+    """activation_checkpoint.mode=regions replaces each block's forward on the instance; compiling the
+    class's forward would silently undo it. Compiling twice is fine (our own wrapper is replaced)."""
+    model = _model(n_layers=2)
+    config = CompileConfig(modules=["layers.*"], backend="aot_eager")
+    apply_compile(model, config)
+    apply_compile(model, config)
+    block = model.layers["1"]
+    block.forward = lambda *args, **kwargs: type(block).forward(block, *args, **kwargs)
+    with pytest.raises(ConfigError, match=r"compile\.modules: layers\.1's forward is already wrapped"):
+        apply_compile(model, config)
+
+
 def _debug(tmp_path, name, **compile_fields):
     cfg = get_recipe("debug").config()
     cfg = dataclasses.replace(cfg, run_dir=str(tmp_path / name), steps=3)
