@@ -57,6 +57,8 @@ class GraphStep:
                                     selected_passes(list(self.config.enable), list(self.config.disable)))
         #: the last capture's per-pass records
         self.records: dict[str, dict] = {}
+        #: ``graph.check_steps``: per checked micro-batch, the first diverging node (None: bitwise equal)
+        self.checks: list = []
         self._cache: collections.OrderedDict[Any, CapturedStep] = collections.OrderedDict()
         self._objectives: dict[int, Any] = {}  # keyed objectives, kept alive (their id is in the key)
         self._default: Any = None
@@ -88,9 +90,30 @@ class GraphStep:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
+        if len(self.checks) < self.config.check_steps:
+            self._check(captured, model, objective, batch, leaves, accumulate, autocast)
         report, grads = captured.run(leaves)
         accumulate_grads(captured.trainable_params(), grads)
         return report
+
+    def _check(self, captured: CapturedStep, model: nn.Module, objective: Callable, batch: Any, leaves: list,
+               accumulate: int, autocast: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """Run the micro-batch eagerly beside the graph (``lockstep.graph.debug``) and log where they
+        first differ; the module state the eager run changes is put back before the replay."""
+        from lockstep.graph.debug import first_divergence
+
+        inputs = captured.inputs(leaves)
+        saved = captured.state.snapshot()
+        try:
+            found = first_divergence(model, objective, batch, captured.gm, inputs, autocast=autocast,
+                                     accumulate=accumulate)
+        finally:
+            captured.state.restore(saved)
+        self.checks.append(found)
+        if found is None:
+            log.info("graph check %d/%d: graph == eager (every node)", len(self.checks), self.config.check_steps)
+        else:
+            log.warning("graph check %d/%d: %s", len(self.checks), self.config.check_steps, found)
 
     def _capture(self, model: nn.Module, objective: Callable, batch: Any, accumulate: int,
                  autocast: Callable[[], contextlib.AbstractContextManager]) -> CapturedStep:

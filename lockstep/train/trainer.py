@@ -189,6 +189,8 @@ class Trainer:
         record = {"loss": out.pop("loss"), "lr": lr, "grad_norm": float(grad_norm), **out}
         if self.runtime.graph is not None:  # graphs captured so far: a changed shape adds one
             record["graph/captures"] = self.runtime.graph.captures
+            if self.runtime.graph.checks:  # graph.check_steps: micro-batches where graph != eager so far
+                record["graph/check_diverged"] = sum(c is not None for c in self.runtime.graph.checks)
         bad = nonfinite_values(loss=record["loss"], grad_norm=record["grad_norm"])
         with self.timer.stage("optimizer"):
             if bad:  # never applied: the policy (``_fit``) decides what happens next

@@ -129,6 +129,18 @@ def test_module_state_is_threaded_through_replays():
     assert step.captures == 2  # without, then with a pending sum: two module-state structures
 
 
+def test_check_steps_runs_eager_beside_the_graph_and_finds_no_divergence():
+    from lockstep.graph.config import GraphConfig
+
+    cfg = model_config("qwen3_moe", "debug")
+    model = build_model(cfg, seed=0)
+    step, objective = GraphStep(GraphConfig(check_steps=2)), LMObjective()
+    for seed in range(3):
+        step.step(model, objective, _batch(cfg, seed=seed), 1, contextlib.nullcontext)
+    assert step.checks == [None, None]  # two micro-batches checked, every node bitwise equal
+    assert step.captures == 1
+
+
 def test_graph_mode_refuses_layouts_it_does_not_support():
     dims = ParallelConfig(dp_shard=1, tp=2).resolve(2)
     runtime = ParallelRuntime(0, 2, torch.device("cpu"), dims, None, 0)
