@@ -207,6 +207,8 @@ def simple_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None,
             if isinstance(param, DTensor):
                 raise ConfigError(f"parallel: traceable FSDP takes plain parameters; "
                                   f"{module_name}.{name} is already a DTensor (tp/ep are not supported with it)")
+            if param.dim() == 0:
+                raise ConfigError(f"parallel: traceable FSDP shards dim 0; {module_name}.{name} is a scalar")
             if id(param) not in sharded:
                 dt = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
                 sharded[id(param)] = nn.Parameter(dt, requires_grad=param.requires_grad)
