@@ -172,19 +172,21 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list) ->
     os._exit(0)
 
 
-def _spawn(tmp, world: int, cases: list) -> dict:
-    mp.spawn(_worker, args=(world, str(tmp / "init"), str(tmp), cases), nprocs=world, join=True)
+def _spawn(computed_once, world: int, cases: list) -> dict:
+    """One spawn per world for every test of the run (``computed_once``: shared by xdist workers)."""
+    tmp = computed_once(f"simple_fsdp world {world}", lambda d: mp.spawn(
+        _worker, args=(world, str(d / "init"), str(d), cases), nprocs=world, join=True))
     return torch.load(tmp / "results.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory):
-    return _spawn(tmp_path_factory.mktemp("w2"), 2, WORLD2)
+def world2(computed_once):
+    return _spawn(computed_once, 2, WORLD2)
 
 
 @pytest.fixture(scope="module")
-def world4(tmp_path_factory):
-    return _spawn(tmp_path_factory.mktemp("w4"), 4, WORLD4)
+def world4(computed_once):
+    return _spawn(computed_once, 4, WORLD4)
 
 
 def _check_parity(res: dict, name: str) -> None:
