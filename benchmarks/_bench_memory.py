@@ -12,7 +12,7 @@ Three measures, each named in the benchmark's table so they are never mixed up:
   activations autograd keeps for backward, plus the loss): ``activation_bytes_after_forward``.
   Eager modes only: a captured graph has no point between forward and backward.
 - ``graph_saved_bytes``: what the graph trainer's memory pass says the captured forward saves for
-  backward (its own record, computed from node shapes; not a measurement).
+  backward, before and after its policy (its own record, computed from node shapes; not a measurement).
 """
 
 from __future__ import annotations
@@ -74,29 +74,11 @@ def held_after_forward_bytes(trainer) -> int:
     return held
 
 
-def graph_saved_bytes(trainer) -> int | None:
-    """The memory pass's saved-bytes record of a graph trainer, or None when none is found."""
-    for records in _graph_records(trainer):
-        memory = records.get("memory") or {}
-        for key in ("saved_bytes", "saved_bytes_after", "kept_bytes"):
-            if isinstance(memory.get(key), (int, float)):
-                return int(memory[key])
-    return None
-
-
-def _graph_records(trainer):
-    """Per-pass record dicts reachable from the trainer's runtime (the graph step's PassContext)."""
-    seen: set[int] = set()
-    stack = [trainer.runtime, trainer]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or obj is None:
-            continue
-        seen.add(id(obj))
-        records = getattr(obj, "records", None)
-        if isinstance(records, dict):
-            yield records
-        for name in ("graph", "graph_step", "graph_trainer", "step_graph", "context", "ctx", "pass_context"):
-            child = getattr(obj, name, None)
-            if child is not None and not isinstance(child, (torch.Tensor, str, int, float)):
-                stack.append(child)
+def graph_saved_bytes(trainer) -> tuple[int, int] | None:
+    """(saved bytes of the captured graph, saved bytes the memory pass planned after its policy) from
+    the last capture's records (``runtime.graph.records["memory"]``), or None when there are none."""
+    graph = getattr(trainer.runtime, "graph", None)
+    record = (getattr(graph, "records", None) or {}).get("memory") or {}
+    if "saved_bytes_before" not in record:
+        return None
+    return int(record["saved_bytes_before"]), int(record.get("saved_bytes_after", record["saved_bytes_before"]))

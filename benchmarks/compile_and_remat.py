@@ -34,6 +34,7 @@ import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -84,11 +85,10 @@ def _pass_missing(name: str) -> Callable[[], str | None]:
 
 
 def compile_regions() -> list[str]:
-    """Every declared local_compile region (declared when the model/ops code is imported)."""
-    importlib.import_module("lockstep.models.registry")  # imports every family: their regions register
-    from lockstep.compile import local
+    """Every declared local_compile region."""
+    from lockstep.compile.local import known_regions
 
-    return sorted(getattr(local, "_REGIONS", {}))
+    return sorted(known_regions())
 
 
 def _ac_is_section() -> bool:
@@ -114,7 +114,8 @@ def part1_variants(quick: bool) -> list[Variant]:
         Variant("eager"),
         Variant("graph", {"training.mode": "graph"}, _graph_missing, expect="graph"),
         Variant("graph + inductor", {"training.mode": "graph", "graph.enable": ["inductor"]},
-                _pass_missing("inductor"), expect="graph"),
+                (lambda: "skipped by --quick: Inductor over the whole step takes minutes to compile here") if quick
+                else _pass_missing("inductor"), expect="graph"),
         Variant("compile blocks (layers.*)", {"compile.modules": ["layers.*"], **backend}, expect="dynamo"),
         Variant("compile regions (all)", {"compile.regions": regions, **backend},
                 lambda: None if regions else "no local_compile region declared", expect="dynamo"),
@@ -150,20 +151,10 @@ def build_config(args, dtype: str, run_dir: str, overrides: dict[str, object]):
 
 def _graph_took_effect(trainer) -> str | None:
     """Why the first step did not run a captured graph, or None when it did."""
-    stack, seen = [trainer.runtime], set()
-    while stack:  # a captured graph module is reachable from the runtime once the step ran it
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.fx.GraphModule):
-            return None
-        if isinstance(obj, (dict, list, tuple)):
-            stack.extend(obj.values() if isinstance(obj, dict) else obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, torch.Tensor, type)) \
-                and len(seen) < 2000:
-            stack.extend(vars(obj).values())
-    return "training.mode=graph was accepted but no captured graph is reachable from the runtime"
+    graph = getattr(trainer.runtime, "graph", None)  # a lockstep.graph.step.GraphStep in graph mode
+    if graph is None or not getattr(graph, "captures", 0):
+        return "training.mode=graph was accepted but the runtime captured no graph"
+    return None
 
 
 class Bench:
@@ -175,6 +166,9 @@ class Bench:
         self.trainer = Trainer(build_config(args, dtype, f"{root}/{safe}-{dtype}", variant.overrides))
         if variant.whole_model_compile:
             self.trainer.model.compile(backend="aot_eager" if args.quick else "inductor")
+        # local_compile regions are one process-wide switch that each Trainer sets when built: every
+        # variant sets its own before it steps (the others run them eager)
+        self.regions, self.backend = list(self.trainer.config.compile.regions), self.trainer.config.compile.backend
         self.batches = iter(self.trainer.data.train)
         self.trainer.bench_batches = self.batches
         self.step = 1
@@ -182,6 +176,7 @@ class Bench:
 
     def run(self, n: int, clock) -> float:
         """Seconds per step over ``n`` steps."""
+        self.activate()
         start = clock()
         for _ in range(n):
             self.trainer.train_step(self.step, self.batches)
@@ -189,6 +184,12 @@ class Bench:
         seconds = (clock() - start) / n
         self.trainer.timer.pop()
         return seconds
+
+    def activate(self) -> None:
+        """This variant's local_compile regions on, every other region off."""
+        from lockstep.compile.local import enable_regions
+
+        enable_regions(self.regions, self.backend)
 
     def first_step(self) -> float:
         """The first step's wall seconds (capture / compilation included); checks the feature ran."""
@@ -292,23 +293,32 @@ def part2(args, dtype: str, root: str) -> list[dict]:
     for name, bench in benches.items():
         grad_bytes = sum(p.numel() * p.element_size() for p in bench.trainer.model.parameters() if p.requires_grad)
         row = {"part": 2, "grad_bytes": grad_bytes, "dtype": dtype, "variant": name, **results[name]}
+        bench.activate()
         row["step_peak_bytes"] = memory.step_peak_bytes(bench.trainer)
         row["held_after_forward_bytes"] = (memory.held_after_forward_bytes(bench.trainer)
                                            if bench.trainer.config.training.mode == "eager" else None)
-        row["graph_saved_bytes"] = (memory.graph_saved_bytes(bench.trainer)
-                                    if bench.trainer.config.training.mode == "graph" else None)
+        saved = memory.graph_saved_bytes(bench.trainer) if bench.trainer.config.training.mode == "graph" else None
+        row["graph_saved_bytes_before"], row["graph_saved_bytes"] = saved or (None, None)
+        record = (getattr(getattr(bench.trainer.runtime, "graph", None), "records", None) or {}).get("memory", {})
+        row["graph_budget_met"] = record.get("budget_met")
         rows.append(row)
     release(benches)
     mib = lambda b: f"{b / 2**20:.1f}" if b is not None else "-"  # noqa: E731
+
+    def saved_cell(row: dict) -> str:
+        if row["graph_saved_bytes"] is None:
+            return "-"
+        met = {True: "", False: " (budget not met)", None: ""}[row["graph_budget_met"]]
+        return f"{mib(row['graph_saved_bytes_before'])} -> {mib(row['graph_saved_bytes'])}{met}"
     if rows:
         print(f"\n(the step peak includes the {rows[0]['grad_bytes'] / 2**20:.1f} MiB of fp32 gradients "
               "the backward allocates)")
     print(f"{'variant':<28} {'ms/step':>8} {'vs none':>8} {'step peak MiB':>14} {'held after fwd MiB':>19} "
-          f"{'graph saved MiB':>16}")
+          f"{'graph saved MiB (captured -> planned)':>38}")
     for row in rows:
         ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
         print(f"{row['variant']:<28} {1e3 * row['step_s']:>8.1f} {ratio:>8} {mib(row['step_peak_bytes']):>14} "
-              f"{mib(row['held_after_forward_bytes']):>19} {mib(row['graph_saved_bytes']):>16}", flush=True)
+              f"{mib(row['held_after_forward_bytes']):>19} {saved_cell(row):>38}", flush=True)
     print("step peak: allocator peak during one micro-batch's forward+backward (includes the gradients); "
           "held after fwd: bytes alive after an eager forward; graph saved: the memory pass's record")
     return rows
@@ -344,6 +354,22 @@ def plot_frontier(rows: list[dict], out_png: str, title: str) -> None:
     print(f"wrote {out_png}")
 
 
+def run_child(args, part: str, dtype: str) -> list[dict]:
+    """Rows of one (part, dtype) measured by a fresh process running this script."""
+    forward = ["--recipe", args.recipe, "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len),
+               "--warmup", str(args.warmup), "--steps", str(args.steps), "--rounds", str(args.rounds),
+               "--threads", str(args.threads), "--clock", args.clock, "--save", ",".join(args.save)]
+    forward += [flag for flag, on in (("--warm-cache", args.warm_cache), ("--traceback", args.traceback),
+                                      ("--quick", args.quick)) if on]
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        done = subprocess.run([sys.executable, __file__, *forward, "--part", part, "--dtype", dtype,
+                               "--json", out.name, "--child"], check=False)
+        if done.returncode != 0:
+            print(f"[part {part}, {dtype}] exited with status {done.returncode}", flush=True)
+            return []
+        return json.loads(Path(out.name).read_text() or "[]")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["1", "2", "all"], default="all")
@@ -359,9 +385,14 @@ def main() -> None:
     parser.add_argument("--save", default=",".join(DEFAULT_SAVE), help="save globs of activation_checkpoint regions")
     parser.add_argument("--png", default="docs/images/compile_and_remat_frontier.png")
     parser.add_argument("--json", default="", help="write every row here")
+    parser.add_argument("--warm-cache", action="store_true",
+                        help="keep Inductor's on-disk caches (default: a fresh cache dir, so compile times are cold)")
     parser.add_argument("--traceback", action="store_true", help="print failed variants' tracebacks")
     parser.add_argument("--quick", action="store_true",
                         help="debug recipe, batch 2 x 32, 1 round of 1 step, aot_eager backends: a smoke run")
+    parser.add_argument("--plot-json", default="",
+                        help="comma list of --json files of earlier runs: only draw --png from their part-2 rows")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one (part, dtype) of a parent
     args = parser.parse_args()
     args.save = [s for s in args.save.split(",") if s]
     if args.quick:
@@ -370,20 +401,33 @@ def main() -> None:
         if args.png == parser.get_default("png"):
             args.png = os.path.join(tempfile.gettempdir(), "compile_and_remat_quick.png")
     torch.set_num_threads(args.threads)
+    if not args.warm_cache and not args.child:  # compile times from scratch: no cache of an earlier run
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="compile_and_remat_inductor_")
     from lockstep.observe._sysinfo import cpu_flags, cpu_model
 
     print(f"CPU: {cpu_model()} ({', '.join(cpu_flags())}), {args.threads} threads, torch {torch.__version__}; "
           f"load average {os.getloadavg()}")
+    print(f"Inductor cache: {'warm (shared)' if args.warm_cache else 'cold (fresh dir)'}")
     print(f"recipe {args.recipe}, batch {args.batch_size} x seq {args.seq_len}, {args.warmup} warm-up steps, "
           f"{args.rounds} rounds x {args.steps} steps per variant, {args.clock} clock")
+    if args.plot_json:
+        rows = [r for f in args.plot_json.split(",") for r in json.loads(Path(f).read_text()) if r["part"] == 2]
+        plot_frontier(rows, args.png, f"{args.recipe}: step time vs activation memory "
+                                      f"(batch {args.batch_size} x {args.seq_len})")
+        return
+    jobs = [(part, dtype) for dtype in args.dtype.split(",")
+            for part in (["1", "2"] if args.part == "all" else [args.part])]
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as root:
-        for dtype in args.dtype.split(","):
-            if args.part in ("1", "all"):
-                rows += part1(args, dtype, root)
-            if args.part in ("2", "all"):
-                rows += part2(args, dtype, root)
+    if len(jobs) == 1:
+        with tempfile.TemporaryDirectory() as root:
+            rows = (part1 if jobs[0][0] == "1" else part2)(args, jobs[0][1], root)
+    else:  # one process per (part, dtype): Dynamo / Inductor state and the region switch start clean
+        for part, dtype in jobs:
+            rows += run_child(args, part, dtype)
     print(f"\nload average after: {os.getloadavg()}")
+    if args.child:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+        return
     if any(r["part"] == 2 for r in rows):
         plot_frontier([r for r in rows if r["part"] == 2], args.png,
                       f"{args.recipe}: step time vs activation memory (batch {args.batch_size} x {args.seq_len})")
