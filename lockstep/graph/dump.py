@@ -1,7 +1,7 @@
 """``graph.dump_dir``: the captured step written after each pass, for a reader and for tests.
 
 ``NN_<pass>.py`` is the graph's readable code (``print_readable``) with each node's module path and phase
-as a comment; ``NN_<pass>_summary.json`` counts nodes, saved-for-backward bytes and collectives per block
+as a comment; ``NN_<pass>_summary.json`` counts nodes, saved-for-backward bytes and collectives (not their waits) per block
 ("layers.N", "embed", "(none)" for the loss and inputs). ``00_captured`` is the graph before any pass.
 """
 
@@ -27,7 +27,7 @@ def summarize(gm: torch.fx.GraphModule) -> dict:
         counts = nodes.setdefault(block, {})
         key = analysis.phase(node) or "other"
         counts[key] = counts.get(key, 0) + 1
-        if analysis.is_collective(node):
+        if analysis.is_collective(node) and "wait_tensor" not in analysis.op_name(node):  # a wait sends nothing
             ops = collectives.setdefault(block, {})
             name = analysis.op_name(node)
             ops[name] = ops.get(name, 0) + 1

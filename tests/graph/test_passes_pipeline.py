@@ -18,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from lockstep.config.base import ConfigError
 from lockstep.graph.config import GraphConfig
+from lockstep.graph.dump import summarize
 from lockstep.graph.passes import PassContext, registered_passes, selected_passes
 from lockstep.graph.passes import analysis
 from lockstep.graph.passes.pipeline import run_passes
@@ -183,3 +184,21 @@ def test_dump_writes_code_and_summary(tmp_path):
     assert summary["records"]["removed_dead"] >= 0
     captured = json.loads((tmp_path / "00_captured_summary.json").read_text())
     assert captured["saved_bytes"] == analysis.saved_bytes(capture(model, lm_step, batch)[0].graph)
+
+
+def test_summary_counts_collectives_per_block():
+    # built by hand: a summary needs no process group, only the nodes
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta.update(val=torch.empty(4, 8), phase="", module_path="")
+    gathered = graph.call_function(torch.ops._c10d_functional.all_gather_into_tensor.default, (x, 2, "0"))
+    waited = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (gathered,))
+    scattered = graph.call_function(torch.ops._c10d_functional.reduce_scatter_tensor.default, (waited, "sum", 2, "0"))
+    for node, path in ((gathered, "layers.2.attention"), (waited, "layers.2.attention"), (scattered, "norm")):
+        node.meta.update(val=torch.empty(8, 8), phase="forward", module_path=path)
+    graph.output(scattered)
+    summary = summarize(torch.fx.GraphModule(torch.nn.Module(), graph))
+    assert summary["collectives"] == 2  # the wait is no collective of its own
+    assert summary["blocks"]["layers.2"]["collectives"] == {"_c10d_functional.all_gather_into_tensor.default": 1}
+    assert summary["blocks"]["norm"]["collectives"] == {"_c10d_functional.reduce_scatter_tensor.default": 1}
+    assert summary["blocks"]["layers.2"]["nodes"] == {"forward": 2}
