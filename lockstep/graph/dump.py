@@ -1,8 +1,9 @@
 """``graph.dump_dir``: the captured step written after each pass, for a reader and for tests.
 
 ``NN_<pass>.py`` is the graph's readable code (``print_readable``) with each node's module path and phase
-as a comment; ``NN_<pass>_summary.json`` counts nodes, saved-for-backward bytes and collectives (not their waits) per block
-("layers.N", "embed", "(none)" for the loss and inputs). ``00_captured`` is the graph before any pass.
+as a comment; ``NN_<pass>_summary.json`` counts nodes, saved-for-backward bytes and collectives (not
+their waits) per block ("layers.N", "embed", "(none)" for the loss and inputs). ``00_captured`` is the
+graph before any pass.
 """
 
 from __future__ import annotations
