@@ -279,14 +279,15 @@ def capture_step(model: nn.Module, objective: Callable, batch: Any, *, accumulat
             full.append(p)
         swapped = {**dict(zip(param_names, full)), **dict(zip(buffer_names, buffers))}
         micro = pytree.tree_unflatten(leaves, batch_spec)
+        # the backward inside the swap too: an activation checkpoint's recompute runs the modules again
         with _reparametrize_module(model, swapped, tie_weights=True, strict=False), state.bound(state_in):
             with _autocast_cache(cache_enabled), autocast():
                 loss, report = objective(model, micro)
                 loss = loss / accumulate
             state_out = state.outputs()
-        tracker.backward([loss])
-        wrt = [p for p, t in zip(params, trainable) if t]
-        grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
+            tracker.backward([loss])
+            wrt = [p for p, t in zip(params, trainable) if t]
+            grads = torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else ()
         found["has_grad"] = [g is not None for g in grads]
         report_tensors, found["rebuild"] = flatten_report(report)
         found["n_report"] = len(report_tensors)

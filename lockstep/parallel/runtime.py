@@ -146,7 +146,7 @@ class ParallelRuntime:
         from lockstep.parallel.parallelize import parallelize_dense
 
         if mode == "graph":
-            self._use_graph(graph_config)
+            self._use_graph(graph_config, activation_checkpoint)
         model = model.to(self.device)
         if self.dims.pp == 1:
             model = parallelize_dense(model, self.dims, self.mesh, config, activation_checkpoint,
@@ -176,7 +176,9 @@ class ParallelRuntime:
         self.model = nn.ModuleList(self.pipeline.model_parts)
         return self.model
 
-    def _use_graph(self, graph_config) -> None:
+    def _use_graph(self, graph_config, activation_checkpoint) -> None:
+        """Graph mode's refusals (before any work), then its captured steps."""
+        from lockstep import numerics
         from lockstep.config.base import ConfigError
         from lockstep.graph.step import GraphStep
 
@@ -185,6 +187,13 @@ class ParallelRuntime:
             if degree > 1:
                 raise ConfigError(f"training.mode: graph supports data parallelism (dp_shard, dp_replicate) only, "
                                   f"got parallel.{name}={degree}; use training.mode=eager for this layout")
+        if numerics.is_batch_invariant():  # its C kernels write through data pointers, invisible to a trace
+            raise ConfigError("numerics.batch_invariant: its kernels cannot be captured in a graph; "
+                              "use training.mode=eager")
+        ac = getattr(activation_checkpoint, "mode", activation_checkpoint)
+        if ac not in ("none", "full"):  # their dispatch-mode caches do not trace (graph.memory_budget instead)
+            raise ConfigError(f"training.activation_checkpoint.mode: {ac!r} is not supported with "
+                              f"training.mode=graph (none or full; graph.memory_budget chooses what to save)")
         self.mode, self.graph = "graph", GraphStep(graph_config, facts={"mesh": self.mesh, "dims": d})
 
     def _context_stages(self, model: nn.Module, config: ParallelConfig, parallelize_fn):
@@ -393,6 +402,7 @@ class ParallelRuntime:
         return f"routed experts split over ep={d.ep}, outside FSDP"
 
     def describe(self, family: str | None = None, config: ParallelConfig | None = None) -> dict:
+        from lockstep.parallel.dist_moe import describe_dispatch
         from lockstep.parallel.tested_layouts import matching_parity_test
 
         d = self.dims
@@ -415,6 +425,7 @@ class ParallelRuntime:
                          "split": config.pp_split if config is not None else None,
                          "stages_on_this_rank": list(self.pipeline.stage_ids)} if self.pipeline is not None else None,
             "experts": self._experts_layout(),
+            "expert_dispatch": describe_dispatch(config) if d.ep > 1 and config is not None else None,
             "mesh": [list(n) for n in self.dims.mesh_dims],
             "fsdp_units": "each transformer block + root" if self.dims.dp > 1 else None,
             "tp_plan": "megatron col/row + sequence-parallel norms + loss-parallel head" if self.dims.tp > 1 else None,

@@ -148,6 +148,31 @@ def test_graph_mode_refuses_layouts_it_does_not_support():
         runtime.parallelize(nn.Linear(2, 2), ParallelConfig(dp_shard=1, tp=2), mode="graph")
 
 
+def test_graph_mode_refuses_selective_checkpointing_and_batch_invariant_kernels(monkeypatch):
+    from lockstep import numerics
+
+    runtime = ParallelRuntime.local("cpu")
+    with pytest.raises(ConfigError, match=r"activation_checkpoint.mode: 'selective'.*training.mode=graph"):
+        runtime.parallelize(nn.Linear(2, 2), ParallelConfig(dp_shard=1), "selective", mode="graph")
+    monkeypatch.setattr(numerics, "is_batch_invariant", lambda: True)
+    with pytest.raises(ConfigError, match=r"numerics.batch_invariant.*training.mode=eager"):
+        ParallelRuntime.local("cpu").parallelize(nn.Linear(2, 2), ParallelConfig(dp_shard=1), mode="graph")
+
+
+def test_full_activation_checkpointing_replays_bitwise():
+    """The recompute runs inside the captured backward with the graph's parameters (no constants)."""
+    cfg = model_config("llama3", "debug")
+    results = []
+    for mode in ("eager", "graph"):
+        runtime = ParallelRuntime.local("cpu")
+        model = runtime.parallelize(build_model(cfg, seed=0), ParallelConfig(dp_shard=1), "full", mode=mode)
+        losses = [runtime.loss_and_backward(_batch(cfg, seed=s), 2).loss for s in range(2)]
+        results.append((losses, {n: p.grad for n, p in model.named_parameters()}))
+    (el, eg), (gl, gg) = results
+    assert all(torch.equal(a, b) for a, b in zip(el, gl))
+    assert all(torch.equal(eg[k], gg[k]) for k in eg)
+
+
 def test_rl_learner_graph_mode_equals_eager(tmp_path):
     """One RL learner step (GRPO, two micro-batches, a KL reference) in graph mode: the same loss,
     metrics, trainer log-probabilities and updated weights as eager."""
