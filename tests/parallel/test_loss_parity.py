@@ -24,10 +24,7 @@ from lockstep.parallel.tested_layouts import PARAMS_CHECKED, TESTED_LAYOUTS, deg
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
 
-# no HF parity check (a transformers import and a model export per launch, not what these tests compare;
-# tests/models/hf/test_parity_check.py and tests/train/test_trainer.py cover it) and no TensorBoard
-COMMON = ["--steps", "5", "--validation.every", "0", "--output.no-progress", "--output.sample-tokens", "0",
-          "--output.no-parity-check", "--output.no-tensorboard"]
+COMMON = ["--steps", "5", "--validation.every", "0", "--output.no-progress", "--output.sample-tokens", "0"]
 
 
 def _train(run_dir, recipe, nproc=1, extra=(), save_weights=False):
