@@ -36,11 +36,17 @@ While a graph capture traces (``lockstep.graph.state.is_capturing()``, which als
 enclosing ``torch.compile`` such as whole-block compilation, :mod:`lockstep.compile.blocks`) a region
 runs its plain function: the enclosing tracer inlines it and compiles it its own way.
 
-Bitwise with aot_eager holds per compiled piece (each region alone, compiled modules alone). Pieces
-combined can move gradients by an ulp: the rmsnorm region with ``compile.modules=["layers.*.attention"]``
-changed qwen3's q_norm/k_norm weight grads by 1.5e-7 relative. The compiled graphs are the same
-either way, so the change is at the seams (most likely the layout of the tangents reaching the
-compiled attention's backward, which orders its weight-grad sums; not confirmed).
+Bitwise with aot_eager holds for each region as a function (tests/compile/test_local.py, fp32; bf16
+inputs and bf16 autocast measured too) and for fp32 training (the debug recipe's losses with rmsnorm,
+swiglu, rope and loss compiled, or with ``compile.modules=["layers.*"]``: tests/compile/test_blocks.py).
+Inside a model a compiled piece can still move a gradient by an ulp at its input: when the input is
+also used outside the piece (a block's residual stream enters the norm and the residual add), eager
+autograd adds the piece's internal contributions (rms_norm uses ``x`` twice) and the outside one in
+engine order, while the compiled backward sums its own first and hands autograd one contribution.
+Measured: the rmsnorm region under bf16 autocast changed the embedding's gradient by 1e-7 relative
+(the debug recipe's step-2 loss by 4e-6; with a full backward hook on each norm, which also sums
+inside first, eager and compiled agree bitwise again), and the rmsnorm region together with
+``compile.modules=["layers.*.attention"]`` moved qwen3's q_norm/k_norm weight grads by 1.5e-7 relative.
 
 Unknown names in ``compile.regions`` are ConfigErrors listing the known regions
 (:func:`check_region_names`); :func:`known_regions` imports the modules that declare them first.
