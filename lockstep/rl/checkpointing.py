@@ -19,6 +19,9 @@ from lockstep.run import CheckpointPolicy, RankState
 #: config sections a resumed RL run may change without changing what is trained
 RESUMABLE_CHANGES = ("steps", "stop_after", "run_dir", "resume", "checkpoint", "output", "recipe", "workers",
                      "liveness", "parallel", "training.device", "training.on_nonfinite", "training.max_rollbacks",
+                     # how the step executes, not what it computes (graph = eager bitwise; recompute
+                     # reproduces the saved activations; compiled kernels are the same math)
+                     "training.mode", "training.activation_checkpoint", "training.threads", "graph", "compile",
                      "allow_unverified_weights")
 
 __all__ = ["RESUMABLE_CHANGES", "build_checkpointing"]

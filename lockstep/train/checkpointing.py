@@ -9,6 +9,9 @@ from lockstep.run import CheckpointPolicy, RankState
 #: config fields a resumed run may change without changing what is trained
 RESUMABLE_CHANGES = ("steps", "stop_after", "run_dir", "resume", "checkpoint", "output", "parallel", "recipe",
                      "validation", "training.device", "training.on_nonfinite", "training.max_rollbacks",
+                     # how the step executes, not what it computes (graph = eager bitwise; recompute
+                     # reproduces the saved activations; compiled kernels are the same math)
+                     "training.mode", "training.activation_checkpoint", "training.threads", "graph", "compile",
                      "allow_unverified_weights")
 
 
