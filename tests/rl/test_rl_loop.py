@@ -131,22 +131,37 @@ def _cli(tmp_path: Path, *flags: str, timeout: int = 300) -> subprocess.Complete
     return proc
 
 
+#: one trainer rank + one generator, on-policy, batch-invariant, with a KL term and a checkpoint at step 2:
+#: the on-policy test reads this run, and the FSDP trainer test compares its own layout with it
+ONE_TRAINER = ["--steps", "3", "--numerics.batch-invariant", "--checkpoint.every", "2", "--loss.kl-coef", "0.05"]
+
+
+@pytest.fixture
+def one_trainer_run(computed_once) -> tuple[Path, str]:
+    """(run dir, stdout) of ``ONE_TRAINER``, launched once per test run."""
+    def make(root: Path) -> None:
+        (root / "stdout.txt").write_text(_cli(root, *ONE_TRAINER).stdout)
+
+    root = computed_once("rl one trainer + one generator", make)
+    return root / "run", (root / "stdout.txt").read_text()
+
+
 @pytest.mark.slow
-def test_processes_on_policy_batch_invariant_logprob_diff_is_zero_every_step(tmp_path):
-    proc = _cli(tmp_path, "--steps", "3", "--numerics.batch-invariant")
-    records = step_records(tmp_path / "run")
+def test_processes_on_policy_batch_invariant_logprob_diff_is_zero_every_step(one_trainer_run):
+    run_dir, stdout = one_trainer_run
+    records = step_records(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["logprob_diff/max"] for r in records] == [0.0, 0.0, 0.0]
     assert all(r["grad_norm"] > 0 for r in records)  # the weights changed, and the synced copy matched
     assert [r["rollout_version"] for r in records] == [0, 1, 2]
     assert all(r["weight_sync/bytes"] > 0 for r in records[:-1])
     assert all(name in records[0] for name in STEP_METRICS)
-    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["workers"]["generator_ranks"] == [1] and manifest["workers"]["backend"] == "gloo"
     # trainer and generator use the same batch-invariant attention implementation (C kernel or fallback)
     assert manifest["generator_numerics"]["1"]["batch_invariant_attention"] == \
         manifest["numerics"]["batch_invariant_attention"]
-    assert "logprob_diff/max over steps: 0" in proc.stdout
+    assert "logprob_diff/max over steps: 0" in stdout
 
 
 @pytest.mark.slow
@@ -196,20 +211,19 @@ def test_learner_drops_and_counts_over_stale_groups(tmp_path):
 
 
 @pytest.mark.slow
-def test_processes_fsdp_trainer_matches_one_trainer_process(tmp_path):
+def test_processes_fsdp_trainer_matches_one_trainer_process(tmp_path, one_trainer_run):
     """Trainer ranks 0-1 (FSDP2, dp_shard=2) + generator rank 2 vs trainer rank 0 + generator rank 1,
     batch-invariant so both generators sample the same tokens, with a KL term (the sharded trainer
     shards its frozen reference like the policy; checkpointed with it). Tolerance: the two layouts sum
     the gradient in a different order (reduce-scatter over 2 ranks), fp32 rounding ~1e-7 per step."""
-    flags = ["--steps", "3", "--numerics.batch-invariant", "--checkpoint.every", "2", "--loss.kl-coef", "0.05"]
-    _cli(tmp_path / "one", *flags)
-    _cli(tmp_path / "fsdp", *flags, "--parallel.dp-shard", "2", timeout=400)
-    one, fsdp = step_records(tmp_path / "one" / "run"), step_records(tmp_path / "fsdp" / "run")
+    one_dir, _ = one_trainer_run
+    _cli(tmp_path / "fsdp", *ONE_TRAINER, "--parallel.dp-shard", "2", timeout=400)
+    one, fsdp = step_records(one_dir), step_records(tmp_path / "fsdp" / "run")
     assert [r["reward/mean"] for r in one] == [r["reward/mean"] for r in fsdp]
     assert [r["logprob_diff/max"] for r in fsdp] == [0.0, 0.0, 0.0]
     for a, b in zip(one, fsdp):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-    wa = load_file(tmp_path / "one" / "run" / "model.safetensors")
+    wa = load_file(one_dir / "model.safetensors")
     wb = load_file(tmp_path / "fsdp" / "run" / "model.safetensors")
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < 1e-4
     manifest = json.loads((tmp_path / "fsdp" / "run" / "manifest.json").read_text())
