@@ -25,6 +25,7 @@ import torch.distributed as dist
 from lockstep import numerics
 from lockstep.config.base import to_dict
 from lockstep.generate.engine import Engine
+from lockstep.graph.step import graph_manifest
 from lockstep.observe import ProgressBar, RunManifest, plot_series, read_metrics
 from lockstep.rl.checkpointing import build_checkpointing
 from lockstep.rl.config import RLConfig
@@ -105,6 +106,7 @@ class RLTrainer:
             model={"family": cfg.model.family, "flavor": cfg.model.flavor, "parameters": model.num_params(),
                    "source": self.policy.source},
             kernels=model_kernels(model),
+            graph=graph_manifest(self.runtime),  # training.mode and, in graph mode, the passes
             workers={"trainer_ranks": list(range(self.layout.dp)),
                      "trainer_layout": {"dp_replicate": cfg.parallel.dp_replicate, "dp_shard": cfg.parallel.dp_shard,
                                         "fsdp": self.layout.dp > 1},

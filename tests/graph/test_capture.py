@@ -24,7 +24,8 @@ pytestmark = pytest.mark.xdist_group("graph_capture")
 
 def _batch(cfg, B=2, T=16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, cfg.vocab_size, (B, T), generator=g), torch.randint(0, cfg.vocab_size, (B, T), generator=g))
+    return (torch.randint(0, cfg.vocab_size, (B, T), generator=g),
+            torch.randint(0, cfg.vocab_size, (B, T), generator=g))
 
 
 @pytest.fixture(scope="module")
