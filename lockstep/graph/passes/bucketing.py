@@ -69,7 +69,7 @@ def fsdp_unit(node: torch.fx.Node) -> str:
     return match.group(1) if match else "root"
 
 
-def _wait_of(start: torch.fx.Node) -> torch.fx.Node | None:
+def wait_of(start: torch.fx.Node) -> torch.fx.Node | None:
     users = list(start.users)
     return users[0] if len(users) == 1 and is_wait(users[0]) else None
 
@@ -82,18 +82,18 @@ def _is_pure(node: torch.fx.Node) -> bool:
     return not (isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable)
 
 
-def _parameter_only(node: torch.fx.Node, memo: dict) -> bool:
+def parameter_only(node: torch.fx.Node, memo: dict) -> bool:
     """True when ``node`` is computed from graph inputs alone by pure ops (a gather's cast/pad/views)."""
     if node in memo:
         return memo[node]
     if node.op == "placeholder":  # an input written in place is not safe to read early
         memo[node] = not any(node in written_args(u) for u in node.users)
         return memo[node]
-    memo[node] = _is_pure(node) and all(_parameter_only(a, memo) for a in node.all_input_nodes)
+    memo[node] = _is_pure(node) and all(parameter_only(a, memo) for a in node.all_input_nodes)
     return memo[node]
 
 
-def _ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
+def ancestors(node: torch.fx.Node) -> list[torch.fx.Node]:
     """``node``'s non-placeholder ancestors (itself included) in graph order."""
     seen: set[torch.fx.Node] = set()
     stack = [node]
@@ -168,7 +168,7 @@ def _bucket_all_gather(graph: torch.fx.Graph, starts: list[torch.fx.Node], memo:
     _, size, group = first.args
     inputs = [s.args[0] for s in starts]
     for x in inputs:
-        _move_before(_ancestors(x), first)
+        _move_before(ancestors(x), first)
     dtype = _val(inputs[0]).dtype
     numels = [_val(x).numel() for x in inputs]
     total = sum(numels)
@@ -181,7 +181,7 @@ def _bucket_all_gather(graph: torch.fx.Graph, starts: list[torch.fx.Node], memo:
         rows = _call(graph, torch.ops.aten.view.default, (wait, [size, total]), (size, total), dtype, first)
         offset = 0
         for start, n in zip(starts, numels):
-            old_wait = _wait_of(start)
+            old_wait = wait_of(start)
             shape = tuple(_val(old_wait).shape)
             part = _call(graph, torch.ops.aten.slice.Tensor, (rows, 1, offset, offset + n), (size, n), dtype, start)
             dense = _call(graph, torch.ops.aten.clone.default, (part,), (size, n), dtype, start)
@@ -190,7 +190,7 @@ def _bucket_all_gather(graph: torch.fx.Graph, starts: list[torch.fx.Node], memo:
             old_wait.replace_all_uses_with(out)
             offset += n
     for start in starts:
-        graph.erase_node(_wait_of(start))
+        graph.erase_node(wait_of(start))
         graph.erase_node(start)
 
 
@@ -215,14 +215,14 @@ def _bucket_reduce(graph: torch.fx.Graph, starts: list[torch.fx.Node], kind: str
         wait = _call(graph, _OPS.wait_tensor.default, (reduced,), (total,), dtype, last)
         offset = 0
         for start, c in zip(starts, cols):
-            old_wait = _wait_of(start)
+            old_wait = wait_of(start)
             shape = tuple(_val(old_wait).shape)
             part = _call(graph, torch.ops.aten.slice.Tensor, (wait, 0, offset, offset + c), (c,), dtype, start)
             out = _call(graph, torch.ops.aten.view.default, (part, list(shape)), shape, dtype, start)
             old_wait.replace_all_uses_with(out)
             offset += c
     for start in starts:
-        graph.erase_node(_wait_of(start))
+        graph.erase_node(wait_of(start))
         graph.erase_node(start)
 
 
@@ -238,9 +238,9 @@ def bucket_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.G
     buckets: dict[tuple, list[torch.fx.Node]] = {}
     for node in graph.nodes:
         kind = collective_kind(node)
-        if kind is None or _wait_of(node) is None or "val" not in node.args[0].meta:
+        if kind is None or wait_of(node) is None or "val" not in node.args[0].meta:
             continue
-        if kind == "all_gather" and not _parameter_only(node.args[0], memo):
+        if kind == "all_gather" and not parameter_only(node.args[0], memo):
             continue  # only a gather of parameters can move up to its unit's first gather
         buckets.setdefault(_bucket_key(node, kind), []).append(node)
     merged = 0
@@ -262,34 +262,34 @@ def bucket_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.G
 
 # ------------------------------------------------------------------ reordering
 
-def _compute_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+def compute_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """The ops that compute (what communication can overlap): not collectives, their waits and the
     views/slices/casts of a wait's value, nor what is computed from graph inputs alone."""
     memo: dict = {}
     plumbing: set[torch.fx.Node] = set()
     for node in graph.nodes:
         if is_wait(node):
-            plumbing.update((node, *_layout_chain(node)))
+            plumbing.update((node, *layout_chain(node)))
     return {n for n in graph.nodes if n.op == "call_function" and collective_kind(n) is None
-            and n not in plumbing and not _parameter_only(n, memo)}
+            and n not in plumbing and not parameter_only(n, memo)}
 
 
 def _overlap(graph: torch.fx.Graph) -> int:
     """Compute nodes between each collective's start and its wait, summed: what may overlap it."""
     order = {n: i for i, n in enumerate(graph.nodes)}
-    is_compute = _compute_nodes(graph)
+    is_compute = compute_nodes(graph)
     compute = [0]
     for n in graph.nodes:
         compute.append(compute[-1] + (1 if n in is_compute else 0))
     total = 0
     for n in graph.nodes:
-        wait = _wait_of(n) if collective_kind(n) else None
+        wait = wait_of(n) if collective_kind(n) else None
         if wait is not None:
             total += compute[order[wait]] - compute[order[n] + 1]
     return total
 
 
-def _layout_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
+def layout_chain(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The pure single-input ops after ``node`` (its users, theirs, ...): views, slices, casts of its
     value. They move down with its wait; the first op outside them is what really needs the value."""
     chain: list[torch.fx.Node] = []
@@ -316,7 +316,7 @@ def reorder_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.
     memo: dict = {}
     # forward units in the order their compute starts
     first_compute: dict[str, torch.fx.Node] = {}
-    is_compute = _compute_nodes(graph)
+    is_compute = compute_nodes(graph)
     for n in graph.nodes:
         if n in is_compute and phase(n) == "forward":
             first_compute.setdefault(fsdp_unit(n), n)
@@ -324,11 +324,11 @@ def reorder_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.
     prefetched = 0
     for start in [n for n in graph.nodes if collective_kind(n) == "all_gather"]:
         unit = fsdp_unit(start)
-        if phase(start) != "forward" or unit not in first_compute or not _parameter_only(start.args[0], memo):
+        if phase(start) != "forward" or unit not in first_compute or not parameter_only(start.args[0], memo):
             continue
         position = units.index(unit)
         anchor = first_compute[units[max(position - 1, 0)]]
-        if _move_before([*_ancestors(start.args[0]), start], anchor):
+        if _move_before([*ancestors(start.args[0]), start], anchor):
             prefetched += 1
     # reductions: issued right after their input exists
     issued_early = 0
@@ -341,7 +341,7 @@ def reorder_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.
     # waits: just before the first op that needs the value
     moved_waits = 0
     for wait in [n for n in graph.nodes if is_wait(n)]:
-        chain = _layout_chain(wait)
+        chain = layout_chain(wait)
         target = _first_real_user(wait, chain)
         order = {n: i for i, n in enumerate(graph.nodes)}
         members = sorted([wait, *chain], key=order.__getitem__)
