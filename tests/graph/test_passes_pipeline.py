@@ -202,3 +202,20 @@ def test_summary_counts_collectives_per_block():
     assert summary["blocks"]["layers.2"]["collectives"] == {"_c10d_functional.all_gather_into_tensor.default": 1}
     assert summary["blocks"]["norm"]["collectives"] == {"_c10d_functional.reduce_scatter_tensor.default": 1}
     assert summary["blocks"]["layers.2"]["nodes"] == {"forward": 2}
+
+
+def test_same_dtype_copy_and_cast_removed():
+    def f(x):
+        y = x * 2
+        same = y.to(torch.float32, copy=True)  # _to_copy to its own dtype: a no-op copy
+        cast = y.to(torch.bfloat16)  # a real cast: kept
+        return same + 1, cast
+
+    gm = make_fx(f)(torch.randn(3))
+    assert count(gm, torch.ops.aten._to_copy.default) == 2
+    ctx = PassContext(GraphConfig(disable=[p for p in registered_passes() if p != "cleanup"]))
+    gm = run_passes(gm, ctx)
+    assert count(gm, torch.ops.aten._to_copy.default) == 1
+    assert ctx.records["cleanup"]["removed_noops"] == {"aten._to_copy.default": 1}
+    x = torch.randn(3)
+    assert_bitwise(gm(x), f(x))
