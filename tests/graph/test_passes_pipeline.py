@@ -219,3 +219,16 @@ def test_same_dtype_copy_and_cast_removed():
     assert ctx.records["cleanup"]["removed_noops"] == {"aten._to_copy.default": 1}
     x = torch.randn(3)
     assert_bitwise(gm(x), f(x))
+
+
+def test_copy_returned_through_a_view_is_kept():
+    def f(x):
+        y = x * 2
+        return y, y.clone().view(-1)  # without the clone the two outputs would share storage
+
+    gm = make_fx(f)(torch.randn(2, 3))
+    ctx = PassContext(GraphConfig(disable=[p for p in registered_passes() if p != "cleanup"]))
+    gm = run_passes(gm, ctx)
+    assert count(gm, torch.ops.aten.clone.default) == 1
+    a, b = gm(torch.randn(2, 3))
+    assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()

@@ -7,8 +7,8 @@ code, keeping every node with a side effect: in-place ops, collectives (all rank
 a collective is never the place to save a node) and random draws (dropping one would shift the
 generator for every later draw).
 
-Nothing that feeds the graph's output directly is removed: an output must not start aliasing an input or
-another output. Record: ``removed_noops`` by op, ``removed_dead``.
+Nothing the graph returns, directly or through views, is removed: an output must not start aliasing an
+input or another output (the trainer adds later micro-batches' gradients into them in place). Record: ``removed_noops`` by op, ``removed_dead``.
 """
 
 from __future__ import annotations
@@ -41,12 +41,17 @@ def _written(node: torch.fx.Node) -> bool:
     return False
 
 
+def _feeds_output(node: torch.fx.Node) -> bool:
+    """Whether the graph returns ``node`` or a view of it."""
+    return any(user.op == "output" or (analysis.is_view(user) and _feeds_output(user)) for user in node.users)
+
+
 def _noop_input(node: torch.fx.Node) -> torch.fx.Node | None:
     """The node ``node`` can be replaced by, or None when it does real work."""
     if node.op != "call_function" or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
     source = node.args[0]
-    if any(user.op == "output" for user in node.users):
+    if _feeds_output(node):
         return None
     val, source_val = node.meta.get("val"), source.meta.get("val")
     if node.target in _ALIASES:
