@@ -16,7 +16,13 @@ attribute (``linear.weight``) returns the full tensor, computed from the local s
 
 Under capture (``lockstep.graph.capture``: parameters substituted by their local shards) the same
 attribute read records those collectives as graph nodes, which ``lockstep.graph.passes.bucketing``
-buckets per block and reorders for overlap. Eager forwards work too (the collectives run at once).
+buckets per block and reorders for overlap, and ``lockstep.graph.passes.reshard`` gathers again in the
+backward (FSDP's reshard after forward). Eager forwards work too (the collectives run at once).
+
+Gradients equal the per-rank autograd gradients averaged over dp; FSDP2 agrees bitwise on llama3,
+qwen3_moe and gpt_oss, while on deepseek_v3 (the embedding output also feeds MTP) FSDP2's identity
+function on each block's input sums the embedding gradient's three terms in another order (4e-9 at
+step 1, losses within 1e-6 after 3 steps).
 
 Within one forward of the parallelized root module each parameter is gathered once (a tied embedding
 and head share one gather, so their gradients are summed before the reduce-scatter, as under FSDP2);
