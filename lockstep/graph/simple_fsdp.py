@@ -19,10 +19,10 @@ attribute read records those collectives as graph nodes, which ``lockstep.graph.
 buckets per block and reorders for overlap, and ``lockstep.graph.passes.reshard`` gathers again in the
 backward (FSDP's reshard after forward). Eager forwards work too (the collectives run at once).
 
-Gradients equal the per-rank autograd gradients averaged over dp; FSDP2 agrees bitwise on llama3,
-qwen3_moe and gpt_oss, while on deepseek_v3 (the embedding output also feeds MTP) FSDP2's identity
-function on each block's input sums the embedding gradient's three terms in another order (4e-9 at
-step 1, losses within 1e-6 after 3 steps).
+Gradients equal the per-rank autograd gradients averaged over dp (bitwise, measured). FSDP2 agrees
+bitwise on llama3, qwen3_moe, qwen3_next and gpt_oss; on deepseek_v3 (whose embedding output also feeds
+MTP) FSDP2's own embedding gradient is 4e-9 off that average at step 1 (summation order, not
+located further), so losses there agree within 1e-6 after 3 steps, not bitwise.
 
 Within one forward of the parallelized root module each parameter is gathered once (a tied embedding
 and head share one gather, so their gradients are summed before the reduce-scatter, as under FSDP2);
