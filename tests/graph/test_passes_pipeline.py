@@ -1,22 +1,21 @@
 """The pass pipeline (lockstep.graph.passes.pipeline), the cleanup pass and the graph dump.
 
-``capture`` here is the tests' own stand-in for lockstep.graph.capture (make_fx over functional_call +
-torch.autograd.grad, with the same node conventions: meta "phase" and "module_path"), so the passes are
-tested on their own; the other pass tests import it.
+``capture`` here (the trainer's ``capture_step`` on a loss function) and the helpers below are shared by
+the other pass tests.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 import torch
-import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from lockstep.config.base import ConfigError
+from lockstep.graph.capture import capture_step
 from lockstep.graph.config import GraphConfig
 from lockstep.graph.dump import summarize
 from lockstep.graph.passes import PassContext, registered_passes, selected_passes
@@ -28,44 +27,15 @@ from lockstep.run.objective import lm_loss
 
 
 def capture(model: torch.nn.Module, loss_fn, batch: tuple, bf16: bool = False):
-    """(graph module, its inputs): forward + loss + grads of every parameter, nodes marked like
-    lockstep.graph.capture marks them (backward nodes get the loss's module path "")."""
-    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
-    stack: list = []
+    """(graph module, its call arguments) of ``loss_fn(model, *batch)`` and its gradients, captured as
+    the trainer captures them (``capture_step``; the report is the loss)."""
+    def objective(m, b):
+        loss = loss_fn(m, *b)
+        return loss, loss.detach()
 
-    def enter(module, args, name=""):
-        ctx = fx_traceback.annotate({"module_path": name})
-        ctx.__enter__()
-        stack.append(ctx)
-
-    def leave(module, args, out):
-        stack.pop().__exit__(None, None, None)
-
-    hooks = []
-    for name, module in model.named_modules():
-        if name:
-            hooks.append(module.register_forward_pre_hook(lambda m, a, name=name: enter(m, a, name)))
-            hooks.append(module.register_forward_hook(leave))
-
-    def step(p, b, *batch):
-        with fx_traceback.annotate({"phase": "forward"}):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                loss = loss_fn(lambda *a: functional_call(model, {**p, **b}, a), *batch)
-        with fx_traceback.annotate({"phase": "backward", "module_path": ""}):
-            grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
-        return loss.detach(), grads
-
-    try:
-        with fx_traceback.preserve_node_meta():
-            gm = make_fx(step)(params, buffers, *batch)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    for node in gm.graph.nodes:
-        custom = node.meta.get("custom", {})
-        node.meta["phase"] = custom.get("phase", "")
-        node.meta["module_path"] = custom.get("module_path", "")
-    return gm, (params, buffers, *batch)
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else contextlib.nullcontext
+    captured, leaves = capture_step(model, objective, tuple(batch), autocast=autocast)
+    return captured.gm, captured.inputs(leaves)
 
 
 def lm_step(call, x, y):
@@ -114,7 +84,8 @@ def test_cleanup_keeps_bits_and_removes_noops(bf16):
     # and a fresh batch still matches eager through the rewritten graph
     _, other = llama(seed=1)
     eager_gm, _ = capture(model, lm_step, other, bf16)
-    assert_bitwise(run(gm, (*args[:2], *other)), run(eager_gm, (*args[:2], *other)))
+    other_args = (*args[:-1], list(other))  # parameters, buffers, module state, then the batch
+    assert_bitwise(run(gm, other_args), run(eager_gm, other_args))
 
 
 def test_cleanup_dead_code_keeps_side_effects():
