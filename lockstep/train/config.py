@@ -39,6 +39,21 @@ def require_batch_invariant_on_cpu(numerics: NumericsConfig, device: str, device
             "numerics.batch_invariant=false")
 
 
+def check_execution_sections(mode: str, graph: GraphConfig, compile: CompileConfig | None = None) -> None:
+    """Refuse settings the chosen ``training.mode`` would silently ignore: the ``graph`` section outside
+    graph mode, and ``compile`` regions/modules inside it (the captured step is compiled by its own
+    ``inductor`` pass, never by eager-mode wrappers)."""
+    if mode != "graph" and graph != GraphConfig():
+        changed = [f.name for f in dataclasses.fields(graph) if getattr(graph, f.name) != getattr(GraphConfig(), f.name)]
+        raise ConfigError(f"graph.{changed[0]}: applies to training.mode=graph only (training.mode={mode!r})")
+    if mode == "graph" and compile is not None:
+        for name in ("regions", "modules"):
+            if getattr(compile, name):
+                raise ConfigError(
+                    f"compile.{name}: has no effect under training.mode=graph (the captured step is one graph; "
+                    "compile it with graph.enable=['inductor'], optionally graph.inductor_regions)")
+
+
 @dataclasses.dataclass(kw_only=True)
 class TrainingConfig(Config):
     """Batch shape, precision, clipping and accumulation."""
@@ -173,6 +188,7 @@ class TrainerConfig(RunConfig):
         self.graph.validate("graph")
         self.compile.validate("compile")
         self.compile.check_batch_invariant(self.numerics.batch_invariant)  # names both fields
+        check_execution_sections(self.training.mode, self.graph, self.compile)
         require_batch_invariant_on_cpu(self.numerics, self.training.device)
         if self.numerics.batch_invariant:
             require(self.parallel.tp == 1 and self.parallel.cp == 1 and self.parallel.pp == 1,

@@ -157,3 +157,20 @@ def test_device_field_is_checked_before_work(tmp_path, monkeypatch, device, mess
     cfg, _ = resolve_config(["--recipe", "debug", "--training.device", "cpu", "--run-dir", str(tmp_path / "r")])
     cfg.validate()
     assert Trainer(cfg).runtime.device == torch.device("cpu")
+
+
+def test_settings_the_training_mode_would_ignore_are_config_errors():
+    from lockstep.config.base import ConfigError
+    from lockstep.train.config import TrainerConfig
+
+    config = TrainerConfig()
+    config.graph.dump_dir = "dump"  # eager mode never captures a graph to dump
+    with pytest.raises(ConfigError, match=r"graph.dump_dir: applies to training.mode=graph only"):
+        config.validate()
+    config = TrainerConfig()
+    config.training.mode = "graph"
+    config.compile.modules = ["layers.*"]  # the captured step is compiled by its own pass
+    with pytest.raises(ConfigError, match=r"compile.modules: has no effect under training.mode=graph"):
+        config.validate()
+    config.compile.modules, config.graph.dump_dir = [], "dump"
+    config.validate()
