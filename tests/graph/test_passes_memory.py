@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from lockstep.graph.config import GraphConfig
 from lockstep.graph.passes import PassContext, analysis
+from lockstep.graph.passes.analysis import peak_bytes
 from lockstep.graph.passes.memory import _knapsack
 from lockstep.graph.passes.pipeline import run_passes
 from tests.graph.test_passes_pipeline import assert_bitwise, capture, llama, lm_step, run
@@ -57,7 +58,9 @@ def test_default_policy_is_bitwise_and_recomputes_only_cheap_ops(bf16):
     copies = _recomputed(gm)
     assert not any(analysis.is_expensive(c) for c in copies)
     assert any(c.target == torch.ops.aten.rsqrt.default for c in copies)  # norm intermediates
-    if bf16:  # the bf16 casts of the weights are recomputed from the fp32 weights
+    assert placed["peak_bytes_after"] <= placed["peak_bytes_before"]
+    if bf16:  # the bf16 casts of the weights are recomputed from the fp32 weights; the peak drops with them
+        assert placed["peak_bytes_after"] < placed["peak_bytes_before"]
         assert any(c.target == torch.ops.aten._to_copy.default and c.args[0].op == "placeholder" for c in copies)
     _check_placement(gm, placed)
 
@@ -140,3 +143,18 @@ def test_knapsack_matches_brute_force():
         best = max(sum(v for v, k in zip(values, c) if k) for c in itertools.product([0, 1], repeat=len(weights))
                    if sum(w for w, k in zip(weights, c) if k) <= capacity)
         assert sum(v for v, k in zip(values, keep) if k) == best
+
+
+def test_peak_bytes_follows_liveness():
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    a = graph.call_function(torch.ops.aten.exp.default, (x,))  # 4 x 4 fp32: 64 bytes
+    view = graph.call_function(torch.ops.aten.view.default, (a, [16]))  # aliases a: no bytes of its own
+    b = graph.call_function(torch.ops.aten.neg.default, (x,))
+    c = graph.call_function(torch.ops.aten.add.Tensor, (b, 1.0))  # a (through its view) and b still alive
+    d = graph.call_function(torch.ops.aten.sum.default, (view,))  # last use of a
+    graph.output((c, d))
+    for node in (x, a, b, c):
+        node.meta["val"] = torch.empty(4, 4)
+    view.meta["val"], d.meta["val"] = torch.empty(16), torch.empty(())
+    assert peak_bytes(graph) == 3 * 64

@@ -190,3 +190,24 @@ def saved_bytes_per_block(graph: torch.fx.Graph) -> dict[str, int]:
         block = block_of(module_path(root))
         out[block] = out.get(block, 0) + size
     return out
+
+
+def peak_bytes(graph: torch.fx.Graph) -> int:
+    """Peak bytes of intermediate tensors alive at once when the graph runs in node order, each freed
+    after its storage's last use (as GraphModule's generated code frees them); graph inputs excluded."""
+    last: dict[torch.fx.Node, int] = {}
+    nodes = list(graph.nodes)
+    for index, node in enumerate(nodes):
+        for source in node.all_input_nodes:
+            root = storage_root(source)
+            last[root] = max(last.get(root, -1), len(nodes) if node.op == "output" else index)
+    live, peak = 0, 0
+    ends: dict[int, int] = {}
+    for index, node in enumerate(nodes):
+        if node.op == "call_function" and not is_view(node) and storage_root(node) is node:
+            size = node_bytes(node)
+            live += size
+            ends[last.get(node, index)] = ends.get(last.get(node, index), 0) + size
+        peak = max(peak, live)
+        live -= ends.pop(index, 0)
+    return peak

@@ -7,7 +7,8 @@ code elimination, keeping side effects), so the forward no longer keeps their st
 
 Copies carry ``meta["phase"] = "backward"``, the original's module path, and
 ``meta["recomputed_from"]`` (the original node's name). Record: ``recomputed`` (original -> the backward
-node its copy was placed before), ``saved_bytes_after`` (measured on the rewritten graph).
+node its copy was placed before), ``saved_bytes_after`` (measured on the rewritten graph), and the peak
+of intermediate bytes alive at once before/after (``analysis.peak_bytes``: a static estimate in node order).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def _closure(node: torch.fx.Node, copies: dict[torch.fx.Node, torch.fx.Node]) ->
 
 def recompute(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModule:
     graph = gm.graph
+    peak_before = analysis.peak_bytes(graph)
     position = {n: i for i, n in enumerate(graph.nodes)}
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     placed: dict[str, str] = {}
@@ -63,7 +65,8 @@ def recompute(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.GraphModul
         node.meta.pop("lockstep_recompute", None)
     graph.eliminate_dead_code(is_impure_node=analysis.is_impure)
     ctx.records.setdefault("recompute", {}).update(
-        recomputed=placed, nodes_recomputed=len(placed), saved_bytes_after=analysis.saved_bytes(graph))
+        recomputed=placed, nodes_recomputed=len(placed), saved_bytes_after=analysis.saved_bytes(graph),
+        peak_bytes_before=peak_before, peak_bytes_after=analysis.peak_bytes(graph))
     return gm
 
 
