@@ -8,7 +8,8 @@ a collective is never the place to save a node) and random draws (dropping one w
 generator for every later draw).
 
 Nothing the graph returns, directly or through views, is removed: an output must not start aliasing an
-input or another output (the trainer adds later micro-batches' gradients into them in place). Record: ``removed_noops`` by op, ``removed_dead``.
+input or another output (the trainer adds later micro-batches' gradients into them in place).
+Record: ``removed_noops`` by op, ``removed_dead``.
 """
 
 from __future__ import annotations
