@@ -28,8 +28,8 @@ WORKER = Path(__file__).with_name("reshard_worker.py")
 def _run(args, nproc=1, timeout=300):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "lockstep.cli", "train", *args, *QUIET]
-    if nproc > 1:
-        cmd += ["--nproc", str(nproc)]
+    if nproc > 1:  # the torchrun job `--nproc N` would start, without the relaunching process's start-up
+        cmd[1:2] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
