@@ -124,8 +124,12 @@ def test_train_refuses_an_rl_recipe():
 
 def _cli(tmp_path: Path, *flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "lockstep.cli", "rl", "--recipe", "rl-debug",
-                           "--run-dir", str(tmp_path / "run"), *flags], capture_output=True, text=True,
+    argv = ["rl", "--recipe", "rl-debug", "--run-dir", str(tmp_path / "run"), *flags]
+    # the torchrun job `lockstep rl` relaunches itself into (world = trainer ranks + generators), started
+    # directly: without the relaunching process's start-up; the relaunch itself: tests/rl/test_liveness.py
+    world = resolve_rl_config(argv[1:])[0].world_size
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"] if world > 1 else []
+    proc = subprocess.run([sys.executable, *launcher, "-m", "lockstep.cli", *argv], capture_output=True, text=True,
                           timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
