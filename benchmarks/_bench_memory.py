@@ -12,7 +12,8 @@ Three measures, each named in the benchmark's table so they are never mixed up:
   activations autograd keeps for backward, plus the loss): ``activation_bytes_after_forward``.
   Eager modes only: a captured graph has no point between forward and backward.
 - ``graph_saved_bytes``: what the graph trainer's memory pass says the captured forward saves for
-  backward, before and after its policy (its own record, computed from node shapes; not a measurement).
+  backward, before and after the passes (their own records, computed from node shapes; not a
+  measurement), and the recompute pass's static peak of live intermediates.
 """
 
 from __future__ import annotations
@@ -74,11 +75,17 @@ def held_after_forward_bytes(trainer) -> int:
     return held
 
 
-def graph_saved_bytes(trainer) -> tuple[int, int] | None:
-    """(saved bytes of the captured graph, saved bytes the memory pass planned after its policy) from
-    the last capture's records (``runtime.graph.records["memory"]``), or None when there are none."""
-    graph = getattr(trainer.runtime, "graph", None)
-    record = (getattr(graph, "records", None) or {}).get("memory") or {}
-    if "saved_bytes_before" not in record:
+def graph_saved_bytes(trainer) -> dict[str, int] | None:
+    """The last capture's memory records (``runtime.graph.records``), or None when there are none:
+    ``captured`` (bytes the captured graph saves for backward, memory pass), ``after`` (after the
+    passes: the recompute pass's count on the rewritten graph, else the memory pass's plan), and
+    ``static_peak`` (the recompute pass's static peak of live intermediates after rewriting), if recorded."""
+    records = getattr(getattr(trainer.runtime, "graph", None), "records", None) or {}
+    memory, recompute = records.get("memory") or {}, records.get("recompute") or {}
+    if "saved_bytes_before" not in memory:
         return None
-    return int(record["saved_bytes_before"]), int(record.get("saved_bytes_after", record["saved_bytes_before"]))
+    out = {"captured": int(memory["saved_bytes_before"]),
+           "after": int(recompute.get("saved_bytes_after", memory.get("saved_bytes_after", 0)))}
+    if "peak_bytes_after" in recompute:
+        out["static_peak"] = int(recompute["peak_bytes_after"])
+    return out

@@ -279,10 +279,11 @@ def part1(args, dtype: str, root: str) -> list[dict]:
     rows = []
     for name, r in results.items():
         compile_s = r["first_step_s"] - r["step_wall_s"]
+        compile_cell = f"{compile_s:>10.2f}" if name != "eager" else f"{'-':>10}"
         ratio = f"{r['ratio']:.2f}x" if r["ratio"] is not None else "-"
         span = f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}x" if r["ratio"] is not None else ""
         print(f"{name:<28} {r['tokens_per_s']:>8.0f} {1e3 * r['step_s']:>8.1f} {ratio:>9} {span:>12} "
-              f"{r['first_step_s']:>13.2f} {compile_s:>10.2f}", flush=True)
+              f"{r['first_step_s']:>13.2f} {compile_cell}", flush=True)
         rows.append({"part": 1, "dtype": dtype, "variant": name, **r, "compile_s": compile_s})
     print("* compile s = first step's wall time - the median step's wall time (capture / compilation, "
           "first-call costs)")
@@ -301,8 +302,10 @@ def part2(args, dtype: str, root: str) -> list[dict]:
         row["step_peak_bytes"] = memory.step_peak_bytes(bench.trainer)
         row["held_after_forward_bytes"] = (memory.held_after_forward_bytes(bench.trainer)
                                            if bench.trainer.config.training.mode == "eager" else None)
-        saved = memory.graph_saved_bytes(bench.trainer) if bench.trainer.config.training.mode == "graph" else None
-        row["graph_saved_bytes_before"], row["graph_saved_bytes"] = saved or (None, None)
+        graph_mode = bench.trainer.config.training.mode == "graph"
+        saved = (memory.graph_saved_bytes(bench.trainer) if graph_mode else None) or {}
+        row["graph_saved_bytes_before"], row["graph_saved_bytes"] = saved.get("captured"), saved.get("after")
+        row["graph_static_peak_bytes"] = saved.get("static_peak")
         record = (getattr(getattr(bench.trainer.runtime, "graph", None), "records", None) or {}).get("memory", {})
         row["graph_budget_met"] = record.get("budget_met")
         rows.append(row)
@@ -314,17 +317,20 @@ def part2(args, dtype: str, root: str) -> list[dict]:
             return "-"
         met = {True: "", False: " (budget not met)", None: ""}[row["graph_budget_met"]]
         return f"{mib(row['graph_saved_bytes_before'])} -> {mib(row['graph_saved_bytes'])}{met}"
+
     if rows:
         print(f"\n(the step peak includes the {rows[0]['grad_bytes'] / 2**20:.1f} MiB of fp32 gradients "
               "the backward allocates)")
     print(f"{'variant':<28} {'ms/step':>8} {'vs none':>8} {'step peak MiB':>14} {'held after fwd MiB':>19} "
-          f"{'graph saved MiB (captured -> planned)':>38}")
+          f"{'graph saved MiB (captured -> after passes)':>43} {'graph static peak MiB':>22}")
     for row in rows:
         ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
         print(f"{row['variant']:<28} {1e3 * row['step_s']:>8.1f} {ratio:>8} {mib(row['step_peak_bytes']):>14} "
-              f"{mib(row['held_after_forward_bytes']):>19} {saved_cell(row):>38}", flush=True)
+              f"{mib(row['held_after_forward_bytes']):>19} {saved_cell(row):>43} "
+              f"{mib(row['graph_static_peak_bytes']):>22}", flush=True)
     print("step peak: allocator peak during one micro-batch's forward+backward (includes the gradients); "
-          "held after fwd: bytes alive after an eager forward; graph saved: the memory pass's record")
+          "held after fwd: bytes alive after an eager forward; graph saved / static peak: the passes' records "
+          "(computed from node shapes)")
     return rows
 
 
