@@ -334,7 +334,7 @@ def part2(args, dtype: str, root: str) -> list[dict]:
     return rows
 
 
-def plot_frontier(rows: list[dict], out_png: str, title: str) -> None:
+def plot_frontier(rows: list[dict], out_png: str, title: str, clock: str = "wall") -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -355,7 +355,7 @@ def plot_frontier(rows: list[dict], out_png: str, title: str) -> None:
                             1e3 * r["step_s"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_title(title)
     ax.set_xlabel("allocator peak of one micro-step (forward + backward), MiB")
-    ax.set_ylabel("median step time, ms")
+    ax.set_ylabel("median step time, ms" + (" (process CPU time)" if clock == "cpu" else ""))
     ax.grid(True, alpha=0.3)
     ax.legend(loc="best")
     fig.tight_layout()
@@ -423,7 +423,7 @@ def main() -> None:
     if args.plot_json:
         rows = [r for f in args.plot_json.split(",") for r in json.loads(Path(f).read_text()) if r["part"] == 2]
         plot_frontier(rows, args.png, f"{args.recipe}: step time vs activation memory "
-                                      f"(batch {args.batch_size} x {args.seq_len})")
+                                      f"(batch {args.batch_size} x {args.seq_len})", args.clock)
         return
     jobs = [(part, dtype) for dtype in args.dtype.split(",")
             for part in (["1", "2"] if args.part == "all" else [args.part])]
@@ -440,7 +440,8 @@ def main() -> None:
         return
     if any(r["part"] == 2 for r in rows):
         plot_frontier([r for r in rows if r["part"] == 2], args.png,
-                      f"{args.recipe}: step time vs activation memory (batch {args.batch_size} x {args.seq_len})")
+                      f"{args.recipe}: step time vs activation memory (batch {args.batch_size} x {args.seq_len})",
+                      args.clock)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
