@@ -25,6 +25,13 @@ class ParallelConfig(Config):
     #: expert-parallel degree for MoE layers, taken from the dp_shard ranks (any divisor of dp_shard;
     #: routed experts split over ep, FSDP-sharded over the other dp_shard / ep, replicated over dp_replicate)
     ep: int = 1
+    #: expert-parallel routed experts: 0 = synchronous uneven all-to-alls (ExpertParallelExperts);
+    #: N >= 1 = the Dist-MoE operation (lockstep.parallel.dist_moe): fixed-capacity dispatch, experts and
+    #: combine in N chunks whose exchanges overlap the experts (1 = the same operation, no overlap)
+    ep_chunks: int = 0
+    #: Dist-MoE capacity per (source rank, expert, chunk): 0 = no-drop (sized to the largest count);
+    #: f > 0 = ceil(f * chunk_tokens * top_k / n_experts), later tokens dropped and counted
+    ep_capacity_factor: float = 0.0
     #: context-parallel degree: each sequence is sharded over cp ranks (causal load balancing)
     cp: int = 1
     #: context-parallel attention exchange: "allgather" (K/V gathered per layer) or "ring"
@@ -49,6 +56,11 @@ class ParallelConfig(Config):
                 f"must be >= 1 or -1 (auto), got {self.dp_shard}")
         require(self.tp >= 1, f"{path}.tp", f"must be >= 1, got {self.tp}")
         require(self.ep >= 1, f"{path}.ep", f"must be >= 1, got {self.ep}")
+        require(self.ep_chunks >= 0, f"{path}.ep_chunks", f"must be >= 0, got {self.ep_chunks}")
+        require(self.ep_capacity_factor >= 0, f"{path}.ep_capacity_factor",
+                f"must be >= 0, got {self.ep_capacity_factor}")
+        require(self.ep_chunks == 0 or self.tp == 1, f"{path}.ep_chunks",
+                f"the Dist-MoE operation does not support expert tensor parallelism (tp={self.tp}); use 0")
         require(self.pp >= 1, f"{path}.pp", f"must be >= 1, got {self.pp}")
         require(self.cp >= 1, f"{path}.cp", f"must be >= 1, got {self.cp}")
         require_choice(self.cp_method, ["allgather", "ring"], f"{path}.cp_method")

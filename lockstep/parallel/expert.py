@@ -15,7 +15,15 @@ with the same ``forward(x_sorted, counts)`` contract as :class:`GroupedExperts`:
 4. a second uneven ``all_to_all_single`` sends the results back, in ``x_sorted``'s order.
 
 Both token exchanges are autograd functions whose backward is the reverse exchange, so expert
-gradients come back to the owner and input gradients to the sender. Everything else (router,
+gradients come back to the owner and input gradients to the sender.
+
+That is the default (``parallel.ep_chunks = 0``): synchronous, each exchange sized by the counts.
+With ``parallel.ep_chunks = N >= 1`` every MoE layer instead runs the routed experts as the
+Dist-MoE operation (:mod:`lockstep.parallel.dist_moe`): dispatch, grouped experts and the weighted
+combine over fixed-capacity buffers (``parallel.ep_capacity_factor``; 0 = no-drop), the batch in N
+chunks whose asynchronous exchanges overlap the experts of the neighbouring chunks (and the shared
+experts), forward and backward, with exposed / hidden communication, imbalance and dropped tokens
+in the step metrics. The experts and everything below (gradients, state dicts) are the same. Everything else (router,
 selection bias, shared experts, attention, embeddings) stays replicated: the ep ranks are
 data-parallel ranks, each with its own tokens.
 
@@ -52,6 +60,7 @@ from torch import nn
 from lockstep.checkpoint.train_state import clean_fqn
 from lockstep.config.base import ConfigError
 from lockstep.models.common.moe import GroupedExperts, MoE
+from lockstep.parallel.dist_moe import DistMoETotals, make_dist_moe
 
 EXPERT_WEIGHTS = ("w1", "w2", "w3")
 #: per-expert biases some families have (``None`` on the module when absent)
@@ -238,10 +247,17 @@ def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def apply_expert_parallel(model: nn.Module, ep_group=None) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, ep_group=None, ep_chunks: int = 0,
+                          capacity_factor: float = 0.0) -> nn.Module:
     """Shard the routed experts of every MoE layer over ``ep_group`` (ProcessGroup, 1-D DeviceMesh, or
     None for the default group), in place; returns ``model``. Raises ConfigError naming
     ``parallel.ep`` when ep does not divide a layer's n_routed_experts or the model has no MoE layer.
+
+    ``ep_chunks`` (``parallel.ep_chunks``): 0 keeps the synchronous uneven exchange of
+    :class:`ExpertParallelExperts`; N >= 1 makes every MoE layer a
+    :class:`~lockstep.parallel.dist_moe.DistMoE` (fixed-capacity dispatch / experts / combine in N
+    overlapped chunks, ``capacity_factor`` = ``parallel.ep_capacity_factor``, 0 = no-drop) and adds
+    ``model.moe``, a parameter-free module whose ``pop_auxiliary`` reports the layers' totals.
 
     Apply before FSDP / activation checkpointing wrap the blocks, and either to a materialised
     model (every rank holding the same full weights, e.g. the same seed) or to a meta model that is
@@ -260,6 +276,12 @@ def apply_expert_parallel(model: nn.Module, ep_group=None) -> nn.Module:
             raise ConfigError(f"parallel.ep: {ep} does not divide n_routed_experts={n} ({name})")
     for _, moe in layers:
         moe.experts = ExpertParallelExperts(moe.experts, group)
+    if ep_chunks:
+        if hasattr(model, "moe"):
+            raise RuntimeError("apply_expert_parallel: the model already has a 'moe' attribute")
+        model.moe = totals = DistMoETotals()
+        for i, (_, moe) in enumerate(layers):
+            make_dist_moe(moe, i, ep_chunks, capacity_factor, totals)
     return model
 
 

@@ -151,7 +151,7 @@ def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: Parall
     if dims.ep > 1:
         # experts split over ep; FSDP over the ranks holding the same experts (dp_shard_mod_ep x
         # dp_replicate), or kept out of FSDP when there are none (ep == dp_shard: each owns its slice)
-        apply_expert_parallel(model, mesh["ep"])
+        apply_expert_parallel(model, mesh["ep"], config.ep_chunks, config.ep_capacity_factor)
     if dims.tp > 1:  # after ep: expert TP splits each ep rank's experts on their hidden dim
         apply_dense_tp(model, mesh["tp"])
     experts_mesh = expert_mesh(mesh, dims)

@@ -39,7 +39,7 @@ def stage_parallelizer(dims: ParallelDims, mesh, config: ParallelConfig,
         dims.check_model(cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim, cfg.vocab_size)
         _share_expert_counts(part, dims, mesh)
         if dims.ep > 1 and moe_layers(part):
-            apply_expert_parallel(part, mesh["ep"])
+            apply_expert_parallel(part, mesh["ep"], config.ep_chunks, config.ep_capacity_factor)
         if dims.tp > 1:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Parallelize plan key")

@@ -384,23 +384,36 @@ class MoE(nn.Module):
                 routed_scaling_factor=cfg.routed_scaling_factor, n_group=cfg.n_group,
                 topk_group=cfg.topk_group, bias=self.e_score_correction_bias,
             )
-        flat_idx = indices.reshape(-1)
-        counts = torch.bincount(flat_idx, minlength=self.n_experts)
-        order = flat_idx.argsort(stable=True)
-        token = order // self.top_k
+        counts = torch.bincount(indices.reshape(-1), minlength=self.n_experts)
         expert_in = flat if self.tp_region is None else self.tp_region(flat)
         if self.tp_region is not None:
             weights = self.tp_region(weights)
+        out = self.routed_and_shared(flat, expert_in, weights, indices, counts)
+        self._record(counts, scores, indices, shape)
+        return out.view(shape)
+
+    def routed_and_shared(self, flat: torch.Tensor, expert_in: torch.Tensor, weights: torch.Tensor,
+                          indices: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum plus the shared experts, for ``flat [N, D]`` routed to
+        ``indices [N, k]`` with ``weights [N, k]`` (``expert_in``: the experts' input, ``flat`` unless
+        a tensor-parallel region wraps it). Expert parallelism's Dist-MoE operation overrides this
+        (:mod:`lockstep.parallel.dist_moe`)."""
+        order = indices.reshape(-1).argsort(stable=True)
+        token = order // self.top_k
         routed = self.experts(expert_in[token], counts)
         routed = routed * weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
         out = torch.zeros_like(flat).index_add_(0, token, routed.to(flat.dtype))
-        if self.shared_experts is not None:
-            shared = self.shared_experts(flat)
-            if self.shared_expert_gate is not None:
-                shared = numerics.rowwise(torch.sigmoid, self.shared_expert_gate(flat)) * shared
-            out = out + shared
-        self._record(counts, scores, indices, shape)
-        return out.view(shape)
+        shared = self.shared_output(flat)
+        return out if shared is None else out + shared
+
+    def shared_output(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts' output for ``flat [N, D]`` (gated when configured); None without them."""
+        if self.shared_experts is None:
+            return None
+        shared = self.shared_experts(flat)
+        if self.shared_expert_gate is not None:
+            shared = numerics.rowwise(torch.sigmoid, self.shared_expert_gate(flat)) * shared
+        return shared
 
     def _record(self, counts: torch.Tensor, scores: torch.Tensor | None, indices: torch.Tensor,
                 shape: torch.Size) -> None:

@@ -1,0 +1,125 @@
+"""Dist-MoE overlap: exposed expert communication with and without chunked overlap, learned vs
+forced-balanced routing, expert parallel over world 2 and 4 (gloo, one process per rank).
+
+Each rank trains qwen3_moe (``--flavor``, every rank its own ``--batch`` x ``--seq`` tokens, fp32 or
+bf16 autocast, AdamW) with ``parallel.ep_chunks`` 0 (the synchronous uneven exchange), 1 (the
+fixed-capacity operation, no overlap) and ``--chunks`` (overlapped), each under learned routing and
+forced-balanced routing (round-robin experts, weights 1/k: a different workload -- every expert
+gets the same tokens -- so its row is labelled and never compared with a learned row as if it were
+the same job). Per row: tokens/s over all ranks, exposed communication per step (``moe/dispatch_wait_s``
++ ``moe/combine_wait_s``, the time ranks sat blocked in ``wait``; not measured for ep_chunks 0),
+``moe/hidden_frac`` and the imbalance (max / mean tokens per expert, mean over layers and steps).
+
+    .venv/bin/python benchmarks/moe_overlap.py [--worlds 2,4] [--flavor tiny] [--batch 2] [--seq 128]
+        [--chunks 4] [--steps 6] [--dtype fp32]
+
+The configurations run interleaved in rounds (this host's speed drifts) and the table shows medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from lockstep.models.common.transformer import build_model
+from lockstep.models.registry import model_config
+from lockstep.parallel.expert import apply_expert_parallel, sync_expert_parallel_grads
+
+ROUTINGS = ("learned", "forced_balanced")
+
+
+def _run(args, routing: str, chunks: int, rank: int) -> dict:
+    cfg = model_config("qwen3_moe", args.flavor)
+    cfg.feed_forward.routing = routing
+    model = apply_expert_parallel(build_model(cfg, seed=0), ep_chunks=chunks)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(rank)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    times, exposed, hidden, imbalance = [], [], [], []
+    for step in range(args.warmup + args.steps):
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
+        dist.barrier()
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            logits = model(tokens[:, :-1])
+            aux, metrics = model.pop_auxiliary()
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + sum(aux.values())
+        loss.backward()
+        sync_expert_parallel_grads(model)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        dist.barrier()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+            m = {k: float(v) for k, v in metrics.items()}
+            if "moe/dispatch_wait_s" in m:  # this forward + the previous step's backward
+                exposed.append(m["moe/dispatch_wait_s"] + m["moe/combine_wait_s"])
+                hidden.append(m["moe/hidden_frac"])
+            per_layer = [m[k] for k in m if k.endswith("/imbalance") and not k.startswith("moe/")]
+            if per_layer:  # the Dist-MoE rows (over the ep group)
+                imbalance.append(statistics.mean(per_layer))
+    return {"step_s": statistics.median(times), "exposed_s": statistics.median(exposed) if exposed else None,
+            "hidden_frac": statistics.median(hidden) if hidden else None,
+            "imbalance": statistics.mean(imbalance) if imbalance else None}
+
+
+def _worker(rank, world, args, init_file, out_file):
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))
+    configs = [(r, c) for r in ROUTINGS for c in (0, 1, args.chunks)]
+    rows: dict = {k: [] for k in configs}
+    for _ in range(args.rounds):
+        for routing, chunks in configs:
+            rows[routing, chunks].append(_run(args, routing, chunks, rank))
+    if rank == 0:
+        torch.save(rows, out_file)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--flavor", default="tiny")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    args = p.parse_args()
+    print(f"qwen3_moe {args.flavor}, {args.dtype}, per rank {args.batch} x {args.seq} tokens, "
+          f"{args.threads} thread(s) per rank, host CPUs {os.cpu_count()}, torch {torch.__version__}")
+    print("| world | routing | ep_chunks | tokens/s | step s | exposed comm s/step | hidden_frac | imbalance max/mean |")
+    print("|---|---|---|---|---|---|---|---|")
+    for world in (int(w) for w in args.worlds.split(",")):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "rows.pt")
+            mp.spawn(_worker, args=(world, args, os.path.join(d, "init"), out), nprocs=world, join=True)
+            rows = torch.load(out, weights_only=False)
+        for (routing, chunks), runs in rows.items():
+            step = statistics.median(r["step_s"] for r in runs)
+            label = {0: "0 (sync uneven)", 1: "1 (no overlap)"}.get(chunks, f"{chunks} (overlap)")
+            cells = [str(world), routing, label, f"{world * args.batch * args.seq / step:,.0f}", f"{step:.3f}"]
+            for key, fmt in (("exposed_s", "{:.4f}"), ("hidden_frac", "{:.2f}"), ("imbalance", "{:.2f}")):
+                vals = [r[key] for r in runs if r[key] is not None]
+                cells.append(fmt.format(statistics.median(vals)) if vals else "-")
+            print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
