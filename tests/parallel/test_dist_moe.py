@@ -203,3 +203,26 @@ def test_next_dispatch_is_issued_before_the_experts_finish(results):
                 assert issue["combine", layer, c] < compute["experts", layer, c + 1][0]
             for c in (3, 2, 1):
                 assert issue["combine_bwd", layer, c - 1] < compute["experts_bwd", layer, c][1]
+
+
+def test_cli_run_reports_metrics_and_manifest(tmp_path):
+    """``lockstep train --parallel.ep 2 --parallel.ep-chunks 2`` (torchrun, 2 ranks, 3 steps): the
+    moe/ metrics and the per-layer ones reach metrics.jsonl, the operation the manifest."""
+    import json
+    import subprocess
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "lockstep.cli", "train", "--recipe", "debug-moe", "--steps", "3", "--parallel.dp-shard", "2",
+           "--parallel.ep", "2", "--parallel.ep-chunks", "2", "--run-dir", str(run_dir), "--output.no-progress",
+           "--output.sample-tokens", "0", "--output.no-parity-check", "--validation.every", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "moe/hidden_frac" in r]
+    assert len(train) == 3
+    for name in ("dispatch_wait_s", "combine_wait_s", "hidden_frac", "imbalance", "dropped_tokens"):
+        assert f"moe/{name}" in train[-1] and f"layers.0.feed_forward/{name}" in train[-1]
+    assert train[-1]["moe/dropped_tokens"] == 0.0 and train[-1]["moe/imbalance"] >= 1.0
+    entry = json.loads((run_dir / "manifest.json").read_text())["parallel"]["expert_dispatch"]
+    assert entry["ep_chunks"] == 2 and entry["overlap"] and entry["drop_policy"] == "no-drop"
