@@ -150,16 +150,16 @@ class Plan:
             kept[assignment] = True
         return (~kept).nonzero().flatten()
 
-    def canonical_rows(self) -> list[torch.Tensor]:
-        """Per local expert, the indices of its real rows in the chunks' received layouts
-        concatenated (``[C * ep * R]``), in the order (source rank, chunk, position) = (source, token)."""
-        R, ep = self.rows, self.ep
-        out = []
-        for e in range(self.n_local):
-            parts = [c * ep * R + s * R + torch.arange(int(self.kept[s, c, self.offset + e]))
-                     for s in range(ep) for c in range(self.n_chunks)]
-            out.append(torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64))
-        return out
+    def canonical_rows(self) -> tuple[torch.Tensor, list[int]]:
+        """Every local expert's real rows as indices into the chunks' received layouts concatenated
+        and flattened (``[n_local * C * ep * R]``: expert, chunk, source, position), expert by expert,
+        each in the order (source rank, chunk, position) = (source, token); and the count per expert."""
+        R, ep, C, nl = self.rows, self.ep, self.n_chunks, self.n_local
+        kept = self.kept[:, :, self.offset:self.offset + nl].permute(2, 0, 1)  # [nl, ep, C]
+        valid = torch.arange(R).view(1, 1, 1, R) < kept.unsqueeze(-1)  # [nl, ep, C, R]
+        index = (torch.arange(nl).view(nl, 1, 1, 1) * (C * ep * R) + torch.arange(C).view(1, 1, C, 1) * (ep * R)
+                 + torch.arange(ep).view(1, ep, 1, 1) * R + torch.arange(R).view(1, 1, 1, R))
+        return index[valid], valid.flatten(1).sum(1).tolist()
 
 
 def make_plan(indices: torch.Tensor, n_chunks: int, n_local: int, group, capacity_factor: float,
@@ -356,14 +356,16 @@ class ExpertsCombine(torch.autograd.Function):
                 keep[name][c] = t
         # weight gradients: each expert's real rows in the canonical order, one mm each
         with rec.compute("weight_grads", -1):
-            cat = {name: torch.cat(ts, dim=1) for name, ts in keep.items()}
+            rows, per_expert = plan.canonical_rows()
+            compact = {name: torch.cat(ts, dim=1).flatten(0, 1)[rows].split(per_expert)
+                       for name, ts in keep.items()}
             grads = [torch.zeros(w.shape, dtype=dt) for w in ws]
-            for e, rows in enumerate(plan.canonical_rows()):
-                if rows.numel():
-                    x_e = cat["x"][e, rows]
-                    grads[0][e] = cat["dgate"][e, rows].t().mm(x_e)
-                    grads[2][e] = cat["dup"][e, rows].t().mm(x_e)
-                    grads[1][e] = cat["gy"][e, rows].t().mm(cat["act"][e, rows])
+            for e, n in enumerate(per_expert):
+                if n:
+                    x_e = compact["x"][e]
+                    grads[0][e] = compact["dgate"][e].t().mm(x_e)
+                    grads[2][e] = compact["dup"][e].t().mm(x_e)
+                    grads[1][e] = compact["gy"][e].t().mm(compact["act"][e])
         state.saved, state.y_rows, state.weights_rows = [], [], []
         grads = [g.to(d) for g, d in zip(grads, ctx.weight_dtypes)]
         ctx.state = None
