@@ -262,6 +262,16 @@ def bucket_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.G
 
 # ------------------------------------------------------------------ reordering
 
+def first_compute_by_unit(graph: torch.fx.Graph, which: str) -> dict[str, torch.fx.Node]:
+    """Each FSDP unit's first compute node of phase ``which``, units in the order their compute starts."""
+    first: dict[str, torch.fx.Node] = {}
+    compute = compute_nodes(graph)
+    for n in graph.nodes:
+        if n in compute and phase(n) == which:
+            first.setdefault(fsdp_unit(n), n)
+    return first
+
+
 def compute_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     """The ops that compute (what communication can overlap): not collectives, their waits and the
     views/slices/casts of a wait's value, nor what is computed from graph inputs alone."""
@@ -314,12 +324,7 @@ def reorder_collectives(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.fx.
     graph = gm.graph
     overlap_before = _overlap(graph)
     memo: dict = {}
-    # forward units in the order their compute starts
-    first_compute: dict[str, torch.fx.Node] = {}
-    is_compute = compute_nodes(graph)
-    for n in graph.nodes:
-        if n in is_compute and phase(n) == "forward":
-            first_compute.setdefault(fsdp_unit(n), n)
+    first_compute = first_compute_by_unit(graph, "forward")
     units = list(first_compute)
     prefetched = 0
     for start in [n for n in graph.nodes if collective_kind(n) == "all_gather"]:

@@ -25,7 +25,7 @@ import torch.fx
 
 from lockstep.graph.passes import GraphPass, PassContext, register_pass
 from lockstep.graph.passes.analysis import phase, saved_bytes
-from lockstep.graph.passes.bucketing import (ancestors, collective_kind, compute_nodes, fsdp_unit, layout_chain,
+from lockstep.graph.passes.bucketing import (ancestors, collective_kind, first_compute_by_unit, fsdp_unit, layout_chain,
                                              parameter_only, stable_topological_sort, wait_of)
 
 _BLOCK = re.compile(r"^layers\.(\d+)$")
@@ -85,11 +85,7 @@ def reshard_after_forward(gm: torch.fx.GraphModule, ctx: PassContext) -> torch.f
     chosen = _units_to_reshard(list(dict.fromkeys(fsdp_unit(n) for n in starts)), policy)
     before = saved_bytes(graph)
     # backward units in the order their compute starts: a unit's regather is issued at the previous one's
-    first_compute: dict[str, torch.fx.Node] = {}
-    compute = compute_nodes(graph)
-    for n in graph.nodes:
-        if n in compute and phase(n) == "backward":
-            first_compute.setdefault(fsdp_unit(n), n)
+    first_compute = first_compute_by_unit(graph, "backward")
     backward_units = list(first_compute)
     regathered = []
     for start in starts:
