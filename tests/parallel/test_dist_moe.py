@@ -21,8 +21,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from lockstep.checkpoint.train_state import clean_fqn
 from lockstep.models.common.transformer import build_model
 from lockstep.models.registry import model_config
+from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.dist_moe import DistMoE
 from lockstep.parallel.dist_moe_ops import Recorder, make_plan, record_timeline
 from lockstep.parallel.expert import apply_expert_parallel, sync_expert_parallel_grads
@@ -42,9 +44,11 @@ def _batches(vocab, rank):
     return out
 
 
-def _train(family, dtype, ep_chunks, capacity_factor=0.0, timeline=False):
+def _train(family, dtype, ep_chunks, capacity_factor=0.0, timeline=False, checkpoint=False):
     cfg = model_config(family, "debug")
     model = apply_expert_parallel(build_model(cfg, seed=0), ep_chunks=ep_chunks, capacity_factor=capacity_factor)
+    if checkpoint:  # the recompute re-runs the exchanges; the backward uses the forward's own state
+        apply_activation_checkpointing(model, "full")
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     losses, grads, metrics, events = [], None, [], None
     for inputs, targets in _batches(cfg.vocab_size, dist.get_rank()):
@@ -65,7 +69,7 @@ def _train(family, dtype, ep_chunks, capacity_factor=0.0, timeline=False):
         sync_expert_parallel_grads(model)
         losses.append(loss.detach())
         if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            grads = {clean_fqn(n): p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad(set_to_none=True)
     dist_moe = [isinstance(m, DistMoE) for m in model.modules() if hasattr(m, "routing_mode")]
@@ -108,6 +112,7 @@ def _worker(rank, world, init_file, out_dir):
                     res["events"] = run["events"]
                     res["metrics"] = run["metrics"]
             if dname == "fp32":
+                res.setdefault("checkpoint", {})[family] = _same(run, _train(family, dtype, 4, checkpoint=True))
                 res["capacity"][family] = _same(base, _train(family, dtype, 1, capacity_factor=float(world * 8)))
                 legacy = _train(family, dtype, 0)
                 assert legacy["dist_moe"]
@@ -159,6 +164,14 @@ def test_no_drop_equals_the_synchronous_exchange(results):
     for res in ranks:
         for family, (loss, grad) in res["legacy"].items():
             assert loss == 0.0 and grad == 0.0, (family, loss, grad)
+
+
+def test_activation_checkpointing_is_bitwise_equal(results):
+    """ep_chunks=4 under full activation checkpointing (the recompute runs the exchanges again) vs
+    without: bitwise equal, fp32."""
+    _, ranks = results
+    for res in ranks:
+        assert all(res["checkpoint"].values()) and len(res["checkpoint"]) == len(FAMILIES), res["checkpoint"]
 
 
 def test_drops_are_deterministic_and_counted(results):
