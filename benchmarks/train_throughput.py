@@ -7,6 +7,7 @@ lockstep/HF ratio per dtype.
 
     .venv/bin/python benchmarks/train_throughput.py [--family llama3] [--flavor tiny] [--moe-flavor tiny] [--rounds 4]
     .venv/bin/python benchmarks/train_throughput.py --family qwen3_next,qwen3_5,gpt_oss --moe-flavor '' [--clock cpu]
+    .venv/bin/python benchmarks/train_throughput.py --family '' --moe-flavor small --threads 1 --clock cpu  # MoE only
 
 The MoE table runs lockstep's qwen3_moe with learned routing and with forced_balanced routing
 (tokens spread evenly regardless of scores: a different workload, reported apart) against
@@ -161,7 +162,8 @@ def main() -> None:
     parser.add_argument("--clock", choices=list(CLOCKS), default="wall", help="see CLOCKS")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    runs = [(f"{family} {args.flavor}", model_config(family, args.flavor)) for family in args.family.split(",")]
+    runs = [(f"{family} {args.flavor}", model_config(family, args.flavor))
+            for family in args.family.split(",") if family]  # --family '': the MoE table only
     if args.moe_flavor:
         moe = model_config("qwen3_moe", args.moe_flavor)
         # different workloads: forced_balanced ignores the router, so its speed is not learned routing's

@@ -6,6 +6,14 @@ A ``MoEConfig`` builds a :class:`MoE`: a router (``gate`` Linear plus the DeepSe
 ``torch._grouped_mm`` where it is used, else a loop over experts), plus optional shared experts.
 No token is ever dropped: every expert takes all the tokens routed to it.
 
+Where the routing weights go: on the bias-free ``torch._grouped_mm`` path of a plain
+:class:`GroupedExperts` (one process, not batch-invariant) each row's routing weight scales its
+``[F]`` activation before the down projection, ``(w * act) @ w2.T``; elsewhere (loop, biases,
+expert- or tensor-parallel experts, batch-invariant mode) it scales the ``[D]`` output,
+``w * (act @ w2.T)``, as transformers does. Mathematically equal; the roundings differ (a few ulps;
+tests/models/moe/test_moe_fast_path.py bounds it), and the folded form saves passes over
+``[rows, D]`` tensors forward and backward (CPU train step ~4% faster, docs/benchmarks.md).
+
 Each forward records expert-load metrics (and the weighted sequence balance loss when enabled) that
 ``Transformer.pop_auxiliary`` collects.
 
@@ -270,15 +278,27 @@ class GroupedExperts(nn.Module):
         b1 / b3, and b2 on one rank only (each rank's output is a partial sum)."""
         return self.b1, self.b3, self.b2
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``x [N, D]`` sorted by expert, ``counts [E]`` tokens per expert -> ``[N, D]``."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [N, D]`` sorted by expert, ``counts [E]`` tokens per expert -> ``[N, D]``.
+
+        ``row_weights [N]`` (only where :meth:`folds_row_weights`): each row's output is scaled by its
+        weight, applied to the activation before the down projection (see :meth:`MoE.routed_and_shared`)."""
+        if row_weights is not None and not self.folds_row_weights():
+            raise ValueError("row_weights: only the bias-free grouped_mm path folds routing weights")
         if numerics.is_batch_invariant():  # each expert's rows in fixed tiles (lockstep.ops.batch_invariant)
             return self._loop(x, counts, invariant_linear)
         if resolve_impl(self.impl, x.device) == "grouped_mm":
-            return self._grouped_mm(x, counts)
+            return self._grouped_mm(x, counts, row_weights)
         return self._loop(x, counts)
 
-    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def folds_row_weights(self) -> bool:
+        """Whether ``forward`` takes ``row_weights``: the bias-free ``torch._grouped_mm`` path of this
+        exact class (subclasses for expert / tensor parallelism keep the weighted combine outside)."""
+        return (type(self) is GroupedExperts and self.b1 is None and not numerics.is_batch_invariant()
+                and resolve_impl(self.impl, self.w1.device) == "grouped_mm")
+
+    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor,
+                    row_weights: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
         if torch.is_autocast_enabled(x.device.type):  # _grouped_mm is not on autocast's cast lists
             dtype = torch.get_autocast_dtype(x.device.type)
@@ -286,6 +306,8 @@ class GroupedExperts(nn.Module):
         rows = None
         if x.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
             x, counts, rows = _pad_groups(x, counts, _CPU_ROW_BUCKET)
+            if row_weights is not None:  # padding rows weigh 0
+                row_weights = row_weights.new_zeros(x.shape[0]).index_copy(0, rows, row_weights)
         offs = counts.cumsum(0).to(torch.int32)
         padded = rows is not None
         w1, w2, w3 = (w.to(dtype) for w in self.local_weights())
@@ -293,6 +315,8 @@ class GroupedExperts(nn.Module):
         up = _contiguous_grad(torch._grouped_mm(x, w3.mT, offs=offs))
         if self.b1 is None:
             act = self._act(_mask_tail(gate, offs, padded), _mask_tail(up, offs, padded))
+            if row_weights is not None:
+                act = act * row_weights.unsqueeze(1).to(dtype)
             out = _contiguous_grad(torch._grouped_mm(act, w2.mT, offs=offs))
             return out if rows is None else out[rows]
         expert = _row_experts(counts, offs, x.shape[0], padded)  # each row's expert
@@ -400,8 +424,15 @@ class MoE(nn.Module):
         (:mod:`lockstep.parallel.dist_moe`)."""
         order = indices.reshape(-1).argsort(stable=True)
         token = order // self.top_k
-        routed = self.experts(expert_in[token], counts)
-        routed = routed * weights.reshape(-1)[order].unsqueeze(1).to(routed.dtype)
+        row_weights = weights.reshape(-1)[order]
+        if self.experts.folds_row_weights():
+            # weights applied to the [rows, F] activation inside the experts, not to their [rows, D]
+            # output: on CPU every pass over a [rows, D] tensor costs (the layer is bound by memory
+            # traffic between its GEMMs); same products, rounded in another order (module docstring)
+            routed = self.experts(expert_in.index_select(0, token), counts, row_weights=row_weights)
+        else:
+            routed = self.experts(expert_in[token], counts)
+            routed = routed * row_weights.unsqueeze(1).to(routed.dtype)
         out = torch.zeros_like(flat).index_add_(0, token, routed.to(flat.dtype))
         shared = self.shared_output(flat)
         return out if shared is None else out + shared
