@@ -61,6 +61,8 @@ class ParallelConfig(Config):
                 f"must be >= 0, got {self.ep_capacity_factor}")
         require(self.ep_chunks == 0 or self.tp == 1, f"{path}.ep_chunks",
                 f"the Dist-MoE operation does not support expert tensor parallelism (tp={self.tp}); use 0")
+        require(self.ep_chunks == 0 or (self.pp == 1 and self.cp == 1), f"{path}.ep_chunks",
+                f"the Dist-MoE operation is not tested with pp={self.pp}, cp={self.cp} yet; use 0")
         require(self.pp >= 1, f"{path}.pp", f"must be >= 1, got {self.pp}")
         require(self.cp >= 1, f"{path}.cp", f"must be >= 1, got {self.cp}")
         require_choice(self.cp_method, ["allgather", "ring"], f"{path}.cp_method")

@@ -42,8 +42,10 @@ backward, the counts gather counted as dispatch), ``hidden_frac`` (1 - waited / 
 exchanges from issue to completion), ``imbalance`` (max / mean tokens per expert over the ep group,
 last forward), ``dropped_tokens`` (assignments dropped over the ep group, last forward). A step's
 backward waits are reported with the next forward's metrics (the objective pops them right after
-the forward). Built and tested on CPU with gloo. Not supported: expert biases, expert tensor
-parallelism, graph capture (ConfigError).
+the forward). Built and tested on CPU with gloo. Not supported (ConfigError): expert biases, expert
+tensor parallelism, graph capture; pipeline and context parallelism are refused until tested
+(:class:`~lockstep.parallel.dims.ParallelConfig`). Activation checkpointing works (the recompute
+runs the exchanges again; the backward uses the forward's own state).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ from lockstep.parallel.dist_moe import describe_dispatch, make_dist_moe
 
 @pytest.mark.parametrize("fields, name", [({"ep_chunks": -1}, "parallel.ep_chunks"),
                                           ({"ep_capacity_factor": -0.5}, "parallel.ep_capacity_factor"),
-                                          ({"ep_chunks": 2, "tp": 2}, "parallel.ep_chunks")])
+                                          ({"ep_chunks": 2, "tp": 2}, "parallel.ep_chunks"),
+                                          ({"ep_chunks": 2, "pp": 2}, "parallel.ep_chunks"),
+                                          ({"ep_chunks": 1, "cp": 2}, "parallel.ep_chunks")])
 def test_bad_fields_name_themselves(fields, name):
     with pytest.raises(ConfigError, match=name):
         ParallelConfig(**fields).validate()
