@@ -6,9 +6,10 @@ experts, top-2; deepseek_v3 with a shared expert and sigmoid routing), fp32 and 
 
 Bitwise claims (``torch.equal``): ep_chunks 2 and 4 vs 1 (losses of 2 AdamW steps, every gradient
 of step 0, every rank), and a no-drop capacity vs a capacity factor large enough that nothing drops
-(bigger padded buffers), and no-drop vs the synchronous uneven exchange (ep_chunks=0, fp32; measured
-equal, see its test). Drops: a known small example and the same
-input twice give the same drop set.
+(bigger padded buffers), no-drop vs the synchronous uneven exchange (ep_chunks=0, fp32; measured
+equal, see its test), and ep_chunks=4 with and without full activation checkpointing. Drops: a
+known small example and the same input twice give the same drop set. A recorded timeline shows the
+overlap's order; a short ``lockstep train`` run shows the metrics and manifest entry.
 """
 
 import datetime
