@@ -11,9 +11,11 @@ the same job). Per row: tokens/s over all ranks, exposed communication per step 
 ``moe/hidden_frac`` and the imbalance (max / mean tokens per expert, mean over layers and steps).
 
     .venv/bin/python benchmarks/moe_overlap.py [--worlds 2,4] [--flavor tiny] [--batch 2] [--seq 128]
-        [--chunks 4] [--steps 6] [--dtype fp32]
+        [--chunks 4] [--steps 3] [--dtype fp32] [--capacity-factor 1.25]
 
 The configurations run interleaved in rounds (this host's speed drifts) and the table shows medians.
+``--capacity-factor f`` adds a learned-routing row with the drop policy (``dropped/step``: token
+assignments dropped over the ep group and the MoE layers, per step).
 """
 
 from __future__ import annotations
@@ -38,14 +40,14 @@ from lockstep.parallel.expert import apply_expert_parallel, sync_expert_parallel
 ROUTINGS = ("learned", "forced_balanced")
 
 
-def _run(args, routing: str, chunks: int, rank: int) -> dict:
+def _run(args, routing: str, chunks: int, rank: int, capacity_factor: float = 0.0) -> dict:
     cfg = model_config("qwen3_moe", args.flavor)
     cfg.feed_forward.routing = routing
-    model = apply_expert_parallel(build_model(cfg, seed=0), ep_chunks=chunks)
+    model = apply_expert_parallel(build_model(cfg, seed=0), ep_chunks=chunks, capacity_factor=capacity_factor)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    times, exposed, hidden, imbalance = [], [], [], []
+    times, exposed, hidden, imbalance, dropped = [], [], [], [], []
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
         dist.barrier()
@@ -65,23 +67,27 @@ def _run(args, routing: str, chunks: int, rank: int) -> dict:
             if "moe/dispatch_wait_s" in m:  # this forward + the previous step's backward
                 exposed.append(m["moe/dispatch_wait_s"] + m["moe/combine_wait_s"])
                 hidden.append(m["moe/hidden_frac"])
+                dropped.append(m["moe/dropped_tokens"])
             per_layer = [m[k] for k in m if k.endswith("/imbalance") and not k.startswith("moe/")]
             if per_layer:  # the Dist-MoE rows (over the ep group)
                 imbalance.append(statistics.mean(per_layer))
     return {"step_s": statistics.median(times), "exposed_s": statistics.median(exposed) if exposed else None,
             "hidden_frac": statistics.median(hidden) if hidden else None,
-            "imbalance": statistics.mean(imbalance) if imbalance else None}
+            "imbalance": statistics.mean(imbalance) if imbalance else None,
+            "dropped": statistics.mean(dropped) if dropped else None}
 
 
 def _worker(rank, world, args, init_file, out_file):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
-    configs = [(r, c) for r in ROUTINGS for c in (0, 1, args.chunks)]
+    configs = [(r, c, 0.0) for r in ROUTINGS for c in (0, 1, args.chunks)]
+    if args.capacity_factor > 0:
+        configs.append(("learned", args.chunks, args.capacity_factor))
     rows: dict = {k: [] for k in configs}
     for _ in range(args.rounds):
-        for routing, chunks in configs:
-            rows[routing, chunks].append(_run(args, routing, chunks, rank))
+        for routing, chunks, factor in configs:
+            rows[routing, chunks, factor].append(_run(args, routing, chunks, rank, factor))
     if rank == 0:
         torch.save(rows, out_file)
     dist.destroy_process_group()
@@ -101,21 +107,27 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--capacity-factor", type=float, default=0.0,
+                   help="also run learned routing, --chunks, with this drop capacity factor")
     args = p.parse_args()
     print(f"qwen3_moe {args.flavor}, {args.dtype}, per rank {args.batch} x {args.seq} tokens, "
           f"{args.threads} thread(s) per rank, host CPUs {os.cpu_count()}, torch {torch.__version__}")
-    print("| world | routing | ep_chunks | tokens/s | step s | exposed comm s/step | hidden_frac | imbalance max/mean |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| world | routing | ep_chunks | capacity | tokens/s | step s | exposed comm s/step | hidden_frac "
+          "| imbalance max/mean | dropped/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "rows.pt")
             mp.spawn(_worker, args=(world, args, os.path.join(d, "init"), out), nprocs=world, join=True)
             rows = torch.load(out, weights_only=False)
-        for (routing, chunks), runs in rows.items():
+        for (routing, chunks, factor), runs in rows.items():
             step = statistics.median(r["step_s"] for r in runs)
             label = {0: "0 (sync uneven)", 1: "1 (no overlap)"}.get(chunks, f"{chunks} (overlap)")
-            cells = [str(world), routing, label, f"{world * args.batch * args.seq / step:,.0f}", f"{step:.3f}"]
-            for key, fmt in (("exposed_s", "{:.4f}"), ("hidden_frac", "{:.2f}"), ("imbalance", "{:.2f}")):
+            capacity = "no-drop" if factor == 0 else f"factor {factor}"
+            cells = [str(world), routing, label, capacity, f"{world * args.batch * args.seq / step:,.0f}",
+                     f"{step:.3f}"]
+            for key, fmt in (("exposed_s", "{:.4f}"), ("hidden_frac", "{:.2f}"), ("imbalance", "{:.2f}"),
+                             ("dropped", "{:.0f}")):
                 vals = [r[key] for r in runs if r[key] is not None]
                 cells.append(fmt.format(statistics.median(vals)) if vals else "-")
             print("| " + " | ".join(cells) + " |")
