@@ -182,13 +182,40 @@ def _pad_groups(x: torch.Tensor, counts: torch.Tensor,
     zero rows up to a multiple of ``bucket``; ``padded[rows]`` is ``x``. Zero rows add exact zeros to
     the weight gradients and the rows' own results do not depend on the row count (a test pins this
     bitwise), so the padding changes only speed."""
-    padded_counts = (counts + bucket - 1) // bucket * bucket
-    n = x.shape[0]
-    expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=x.device), counts, output_size=n)
-    shift = (padded_counts.cumsum(0) - padded_counts) - (counts.cumsum(0) - counts)
-    rows = torch.arange(n, device=x.device) + shift[expert]
-    padded = x.new_zeros(_padded_rows(counts, padded_counts, bucket, n), x.shape[1]).index_copy(0, rows, x)
+    padded_counts, rows, total = _pad_positions(counts, bucket, x.shape[0])
+    padded = x.new_zeros(total, x.shape[1]).index_copy(0, rows, x)
     return padded, padded_counts, rows
+
+
+def _pad_positions(counts: torch.Tensor, bucket: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(padded_counts, rows, total)`` of :func:`_pad_groups` for ``n`` rows grouped by ``counts``:
+    row ``i`` goes to ``rows[i]`` of a ``total``-row padded input."""
+    padded_counts = (counts + bucket - 1) // bucket * bucket
+    expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts, output_size=n)
+    shift = (padded_counts.cumsum(0) - padded_counts) - (counts.cumsum(0) - counts)
+    rows = torch.arange(n, device=counts.device) + shift[expert]
+    return padded_counts, rows, _padded_rows(counts, padded_counts, bucket, n)
+
+
+class _GatherCast(torch.autograd.Function):
+    """``x [N, D]`` -> ``x.to(dtype)[src]``, rows with ``src == N`` zero: the gather by token, the cast
+    and the padding of :func:`_pad_groups` in one pass over the padded rows (casting the ``N`` inputs
+    before gathering their ``k N`` copies). Backward sums each row's gradient, cast to ``x``'s dtype,
+    into its token with ``index_add_`` in row order: the same values, added in the same order, as the
+    gather -> cast -> pad it replaces (a test pins forward and backward bitwise)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(src)
+        ctx.n, ctx.in_dtype = x.shape[0], x.dtype
+        low = x.to(dtype)
+        return torch.cat([low, low.new_zeros(1, x.shape[1])]).index_select(0, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (src,) = ctx.saved_tensors
+        acc = grad.new_zeros(ctx.n + 1, grad.shape[1], dtype=ctx.in_dtype)
+        return acc.index_add_(0, src, grad.to(ctx.in_dtype))[:ctx.n], None, None
 
 
 def _padded_rows(counts: torch.Tensor, padded_counts: torch.Tensor, bucket: int, n: int) -> int:
@@ -278,36 +305,46 @@ class GroupedExperts(nn.Module):
         b1 / b3, and b2 on one rank only (each rank's output is a partial sum)."""
         return self.b1, self.b3, self.b2
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None,
+                token: torch.Tensor | None = None) -> torch.Tensor:
         """``x [N, D]`` sorted by expert, ``counts [E]`` tokens per expert -> ``[N, D]``.
 
-        ``row_weights [N]`` (only where :meth:`folds_row_weights`): each row's output is scaled by its
-        weight, applied to the activation before the down projection (see :meth:`MoE.routed_and_shared`)."""
-        if row_weights is not None and not self.folds_row_weights():
-            raise ValueError("row_weights: only the bias-free grouped_mm path folds routing weights")
+        Only where :meth:`fuses_routing`: ``row_weights [N]`` scale each row's output, applied to the
+        activation before the down projection; with ``token [N]``, ``x`` is the unsorted input and
+        row ``i`` is ``x[token[i]]`` (gathered, cast and padded in one pass). See
+        :meth:`MoE.routed_and_shared`."""
+        if (row_weights is not None or token is not None) and not self.fuses_routing():
+            raise ValueError("row_weights / token: only the bias-free grouped_mm path takes the routing")
         if numerics.is_batch_invariant():  # each expert's rows in fixed tiles (lockstep.ops.batch_invariant)
             return self._loop(x, counts, invariant_linear)
         if resolve_impl(self.impl, x.device) == "grouped_mm":
-            return self._grouped_mm(x, counts, row_weights)
+            return self._grouped_mm(x, counts, row_weights, token)
         return self._loop(x, counts)
 
-    def folds_row_weights(self) -> bool:
-        """Whether ``forward`` takes ``row_weights``: the bias-free ``torch._grouped_mm`` path of this
-        exact class (subclasses for expert / tensor parallelism keep the weighted combine outside)."""
+    def fuses_routing(self) -> bool:
+        """Whether ``forward`` takes ``row_weights`` and ``token``: the bias-free ``torch._grouped_mm``
+        path of this exact class (subclasses for expert / tensor parallelism keep the dispatch and
+        the weighted combine outside)."""
         return (type(self) is GroupedExperts and self.b1 is None and not numerics.is_batch_invariant()
                 and resolve_impl(self.impl, self.w1.device) == "grouped_mm")
 
-    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor,
-                    row_weights: torch.Tensor | None = None) -> torch.Tensor:
+    def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None,
+                    token: torch.Tensor | None = None) -> torch.Tensor:
         dtype = x.dtype
         if torch.is_autocast_enabled(x.device.type):  # _grouped_mm is not on autocast's cast lists
             dtype = torch.get_autocast_dtype(x.device.type)
-        x = x.to(dtype)
         rows = None
-        if x.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-            x, counts, rows = _pad_groups(x, counts, _CPU_ROW_BUCKET)
-            if row_weights is not None:  # padding rows weigh 0
-                row_weights = row_weights.new_zeros(x.shape[0]).index_copy(0, rows, row_weights)
+        pad = x.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+        if token is not None and pad and not is_capturing():
+            counts, rows, total = _pad_positions(counts, _CPU_ROW_BUCKET, token.shape[0])
+            src = token.new_full((total,), x.shape[0]).index_copy(0, rows, token)
+            x = _GatherCast.apply(x, src, dtype)
+        else:
+            x = (x if token is None else x.index_select(0, token)).to(dtype)
+            if pad:
+                x, counts, rows = _pad_groups(x, counts, _CPU_ROW_BUCKET)
+        if row_weights is not None and rows is not None:  # padding rows weigh 0
+            row_weights = row_weights.new_zeros(x.shape[0]).index_copy(0, rows, row_weights)
         offs = counts.cumsum(0).to(torch.int32)
         padded = rows is not None
         w1, w2, w3 = (w.to(dtype) for w in self.local_weights())
@@ -425,11 +462,12 @@ class MoE(nn.Module):
         order = indices.reshape(-1).argsort(stable=True)
         token = order // self.top_k
         row_weights = weights.reshape(-1)[order]
-        if self.experts.folds_row_weights():
-            # weights applied to the [rows, F] activation inside the experts, not to their [rows, D]
-            # output: on CPU every pass over a [rows, D] tensor costs (the layer is bound by memory
-            # traffic between its GEMMs); same products, rounded in another order (module docstring)
-            routed = self.experts(expert_in.index_select(0, token), counts, row_weights=row_weights)
+        if self.experts.fuses_routing():
+            # gather and weights inside the experts: the weights scale the [rows, F] activation, not
+            # the [rows, D] output (on CPU each pass over a [rows, D] tensor costs: the layer is bound
+            # by memory traffic between its GEMMs); same products, rounded in another order (module
+            # docstring); the gather is bitwise the plain one
+            routed = self.experts(expert_in, counts, row_weights=row_weights, token=token)
         else:
             routed = self.experts(expert_in[token], counts)
             routed = routed * row_weights.unsqueeze(1).to(routed.dtype)

@@ -22,7 +22,7 @@ def _moe(**fields):
 
 def _unfolded(monkeypatch):
     # the form used by the non-folding modules: weights applied to the experts' output
-    monkeypatch.setattr(GroupedExperts, "folds_row_weights", lambda self: False)
+    monkeypatch.setattr(GroupedExperts, "fuses_routing", lambda self: False)
 
 
 def _run(moe, x, dtype):
@@ -44,7 +44,7 @@ def _run(moe, x, dtype):
 @pytest.mark.parametrize("fields", [{}, {"n_shared_experts": 1}, {"score_func": "sigmoid", "routed_scaling_factor": 2.5}])
 def test_folded_weights_match_unfolded_forward_and_backward(monkeypatch, dtype, atol, fields):
     moe = _moe(**fields)
-    assert moe.experts.folds_row_weights()
+    assert moe.experts.fuses_routing()
     x = torch.randn(3, 11, 16)
     folded = _run(moe, x, dtype)
     _unfolded(monkeypatch)
@@ -78,17 +78,42 @@ def test_bf16_padding_keeps_folded_weights_on_their_rows(monkeypatch):
 
 
 def test_which_modules_fold():
-    assert _moe().experts.folds_row_weights()
-    assert not _moe(experts_impl="loop").experts.folds_row_weights()
-    assert not _moe(expert_bias=True).experts.folds_row_weights()
+    assert _moe().experts.fuses_routing()
+    assert not _moe(experts_impl="loop").experts.fuses_routing()
+    assert not _moe(expert_bias=True).experts.fuses_routing()
     moe = _moe()
     with numerics.batch_invariant(True):
-        assert not moe.experts.folds_row_weights()
+        assert not moe.experts.fuses_routing()
 
     class Sub(GroupedExperts):  # expert- / tensor-parallel experts are subclasses: they never fold
         pass
 
-    assert not Sub(4, 8, 6).folds_row_weights()
+    assert not Sub(4, 8, 6).fuses_routing()
     with pytest.raises(ValueError, match="row_weights"):
         _moe(experts_impl="loop").experts(torch.randn(3, 16), torch.tensor([1, 2, 0, 0, 0, 0]),
                                           row_weights=torch.ones(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_inside_the_experts_is_bitwise_the_plain_gather(dtype):
+    """``experts(x, counts, token=token)`` (bf16 on CPU: one gather-cast-pad pass, its backward an
+    fp32 index_add_ in row order) equals ``experts(x[token], counts)`` bitwise: output, input grad,
+    routing-weight grad and weight grads."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(5, 16, 24, impl="grouped_mm")  # bf16 grouped_mm: 16-byte strides
+    tokens, k = 23, 3
+    token = torch.randperm(tokens * k) // k  # each token k times, in a sorted-by-expert order
+    counts = torch.tensor([0, 31, 5, 33, 0])
+    probe = torch.randn(16)
+    results = []
+    for inside in (True, False):
+        x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(1)).requires_grad_()
+        w = torch.rand(tokens * k, generator=torch.Generator().manual_seed(2)).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            y = (experts(x, counts, row_weights=w, token=token) if inside
+                 else experts(x[token], counts, row_weights=w))
+        (y.float() * probe).sum().backward()
+        results.append([y.detach(), x.grad, w.grad] + [p.grad.clone() for p in experts.parameters()])
+        experts.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
