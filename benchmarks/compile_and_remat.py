@@ -335,29 +335,33 @@ def part2(args, dtype: str, root: str) -> list[dict]:
 
 
 def plot_frontier(rows: list[dict], out_png: str, title: str, clock: str = "wall") -> None:
+    """Step time against the micro-step's allocator peak, one panel per dtype."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(8, 4.5), dpi=100)
+    dtypes = sorted({r["dtype"] for r in rows})
+    fig = Figure(figsize=(6.5 * len(dtypes), 4.8), dpi=100)
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    for dtype in sorted({r["dtype"] for r in rows}):
+    for index, dtype in enumerate(dtypes, start=1):
+        ax = fig.add_subplot(1, len(dtypes), index)
         mine = [r for r in rows if r["dtype"] == dtype]
-        for kind, marker in (("ac ", "o"), ("graph", "s")):
+        for kind, marker, label in (("ac ", "o", "eager, training.activation_checkpoint"),
+                                    ("graph", "s", "graph trainer, graph.memory_budget")):
             pts = [r for r in mine if r["variant"].startswith(kind)]
             if not pts:
                 continue
             ax.scatter([r["step_peak_bytes"] / 2**20 for r in pts], [1e3 * r["step_s"] for r in pts],
-                       marker=marker, label=f"{'eager + activation_checkpoint' if kind == 'ac ' else 'graph trainer'} "
-                                            f"({dtype})")
+                       marker=marker, label=label)
             for r in pts:
-                ax.annotate(r["variant"].removeprefix("ac ").removeprefix("graph "), (r["step_peak_bytes"] / 2**20,
-                            1e3 * r["step_s"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_title(title)
-    ax.set_xlabel("allocator peak of one micro-step (forward + backward), MiB")
-    ax.set_ylabel("median step time, ms" + (" (process CPU time)" if clock == "cpu" else ""))
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="best")
+                name = r["variant"].removeprefix("ac ").removeprefix("graph ").replace("budget ", "")
+                ax.annotate(name, (r["step_peak_bytes"] / 2**20, 1e3 * r["step_s"]), textcoords="offset points",
+                            xytext=(4, 4), fontsize=8)
+        ax.set_title(f"{dtype}")
+        ax.set_xlabel("allocator peak of one micro-step (forward + backward), MiB")
+        ax.set_ylabel("median step time, ms" + (" (process CPU time)" if clock == "cpu" else ""))
+        ax.grid(True, alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     Path(out_png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, format="png")
