@@ -15,9 +15,10 @@ the shared rotary key's gradient sum, 1.5e-2 on ``wkv_a``, while its losses move
 The runs are batched (layout_batch_worker.py): the layouts of one world size run one after another
 in one torchrun job, each as ``lockstep train`` would run it (its CLI, its own run dir), and the
 one-process references in one process; a launch is almost all start-up (torch + lockstep imported on
-every rank), so this saves one start-up per layout (measured: this file at ``pytest -n 2`` on the loaded
-2-vCPU machine, 702 s with a launch per layout and per reference, 199-201 s batched). A layout whose run fails fails its own test with
-its ranks' output; the layouts after it run in a new launch. ``test_batched_run_equals_a_standalone_launch``
+every rank), so this saves one start-up per layout (measured: this file at ``pytest -n 2`` on the
+loaded 2-vCPU machine, 702 s with a launch per layout and per reference, 199-201 s batched). A layout
+whose run fails fails its own test with its ranks' output; the layouts after it run in a new launch.
+``test_batched_run_equals_a_standalone_launch``
 checks that a batch leaks nothing from one run into the next.
 """
 
