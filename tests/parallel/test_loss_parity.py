@@ -18,8 +18,7 @@ one-process references in one process; a launch is almost all start-up (torch + 
 every rank), so this saves one start-up per layout (measured: this file at ``pytest -n 2`` on the
 loaded 2-vCPU machine, 702 s with a launch per layout and per reference, 199-201 s batched). A layout
 whose run fails fails its own test with its ranks' output; the layouts after it run in a new launch.
-``test_batched_run_equals_a_standalone_launch``
-checks that a batch leaks nothing from one run into the next.
+``test_batched_run_equals_a_standalone_launch`` checks that a batch leaks nothing from one run into the next.
 """
 
 import json
