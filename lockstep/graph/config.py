@@ -40,3 +40,23 @@ class GraphConfig(Config):
 
         check_pass_names(self.enable, f"{path}.enable")
         check_pass_names(self.disable, f"{path}.disable")
+
+
+def check_graph_layout(degrees: dict[str, int], activation_checkpoint: str, batch_invariant: bool) -> None:
+    """Refuse, naming the field, what ``training.mode = "graph"`` cannot capture yet: tensor, context,
+    pipeline and expert parallelism (their hooks and DTensor dispatch are not traced), batch-invariant
+    kernels (C kernels writing through data pointers, invisible to a trace), and activation checkpointing
+    other than none/full (selective's dispatch-mode caches and torch_remat do not trace; the graph's
+    ``memory`` pass chooses what to save). Called by ``TrainerConfig.validate`` and by the runtime."""
+    from lockstep.config.base import ConfigError
+
+    for name in ("tp", "cp", "pp", "ep"):
+        if degrees.get(name, 1) > 1:
+            raise ConfigError(f"training.mode: graph supports data parallelism (dp_shard, dp_replicate) only, "
+                              f"got parallel.{name}={degrees[name]}; use training.mode=eager for this layout")
+    if batch_invariant:
+        raise ConfigError("numerics.batch_invariant: its kernels cannot be captured in a graph; "
+                          "use training.mode=eager")
+    if activation_checkpoint not in ("none", "full"):
+        raise ConfigError(f"training.activation_checkpoint.mode: {activation_checkpoint!r} is not supported with "
+                          f"training.mode=graph (none or full; graph.memory_budget chooses what to save)")

@@ -179,21 +179,12 @@ class ParallelRuntime:
     def _use_graph(self, graph_config, activation_checkpoint) -> None:
         """Graph mode's refusals (before any work), then its captured steps."""
         from lockstep import numerics
-        from lockstep.config.base import ConfigError
+        from lockstep.graph.config import check_graph_layout
         from lockstep.graph.step import GraphStep
 
         d = self.dims
-        for name, degree in (("tp", d.tp), ("cp", d.cp), ("pp", d.pp), ("ep", d.ep)):
-            if degree > 1:
-                raise ConfigError(f"training.mode: graph supports data parallelism (dp_shard, dp_replicate) only, "
-                                  f"got parallel.{name}={degree}; use training.mode=eager for this layout")
-        if numerics.is_batch_invariant():  # its C kernels write through data pointers, invisible to a trace
-            raise ConfigError("numerics.batch_invariant: its kernels cannot be captured in a graph; "
-                              "use training.mode=eager")
-        ac = getattr(activation_checkpoint, "mode", activation_checkpoint)
-        if ac not in ("none", "full"):  # their dispatch-mode caches do not trace (graph.memory_budget instead)
-            raise ConfigError(f"training.activation_checkpoint.mode: {ac!r} is not supported with "
-                              f"training.mode=graph (none or full; graph.memory_budget chooses what to save)")
+        check_graph_layout({"tp": d.tp, "cp": d.cp, "pp": d.pp, "ep": d.ep},
+                           getattr(activation_checkpoint, "mode", activation_checkpoint), numerics.is_batch_invariant())
         self.mode, self.graph = "graph", GraphStep(graph_config, facts={"mesh": self.mesh, "dims": d})
 
     def _context_stages(self, model: nn.Module, config: ParallelConfig, parallelize_fn):

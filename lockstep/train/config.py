@@ -9,7 +9,7 @@ from lockstep.config.base import ALLOW_INF, Config, ConfigError, require, requir
 from lockstep.compile.config import CompileConfig
 from lockstep.config.run import RunConfig
 from lockstep.data.config import DataConfig
-from lockstep.graph.config import GraphConfig
+from lockstep.graph.config import GraphConfig, check_graph_layout
 from lockstep.models.common.transformer import TransformerConfig
 from lockstep.numerics import NumericsConfig
 from lockstep.parallel.checkpointing import ActivationCheckpointConfig
@@ -39,13 +39,19 @@ def require_batch_invariant_on_cpu(numerics: NumericsConfig, device: str, device
             "numerics.batch_invariant=false")
 
 
-def check_execution_sections(mode: str, graph: GraphConfig, compile: CompileConfig | None = None) -> None:
+def check_execution_sections(mode: str, graph: GraphConfig, compile: CompileConfig | None = None, *,
+                             parallel: ParallelConfig | None = None,
+                             activation_checkpoint: ActivationCheckpointConfig | None = None,
+                             batch_invariant: bool = False) -> None:
     """Refuse settings the chosen ``training.mode`` would silently ignore: the ``graph`` section outside
     graph mode, and ``compile`` regions/modules inside it (the captured step is compiled by its own
     ``inductor`` pass, never by eager-mode wrappers)."""
     if mode != "graph" and graph != GraphConfig():
         changed = [f.name for f in dataclasses.fields(graph) if getattr(graph, f.name) != getattr(GraphConfig(), f.name)]
         raise ConfigError(f"graph.{changed[0]}: applies to training.mode=graph only (training.mode={mode!r})")
+    if mode == "graph" and parallel is not None:
+        check_graph_layout({name: getattr(parallel, name) for name in ("tp", "cp", "pp", "ep")},
+                           activation_checkpoint.mode, batch_invariant)
     if mode == "graph" and compile is not None:
         for name in ("regions", "modules"):
             if getattr(compile, name):
@@ -188,7 +194,9 @@ class TrainerConfig(RunConfig):
         self.graph.validate("graph")
         self.compile.validate("compile")
         self.compile.check_batch_invariant(self.numerics.batch_invariant)  # names both fields
-        check_execution_sections(self.training.mode, self.graph, self.compile)
+        check_execution_sections(self.training.mode, self.graph, self.compile, parallel=self.parallel,
+                                 activation_checkpoint=self.training.activation_checkpoint,
+                                 batch_invariant=self.numerics.batch_invariant)
         require_batch_invariant_on_cpu(self.numerics, self.training.device)
         if self.numerics.batch_invariant:
             require(self.parallel.tp == 1 and self.parallel.cp == 1 and self.parallel.pp == 1,

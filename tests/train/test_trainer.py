@@ -174,3 +174,16 @@ def test_settings_the_training_mode_would_ignore_are_config_errors():
         config.validate()
     config.compile.modules, config.graph.dump_dir = [], "dump"
     config.validate()
+
+
+def test_graph_mode_refuses_layouts_it_cannot_capture_before_any_work():
+    from lockstep.config.base import ConfigError
+    from lockstep.train.config import TrainerConfig
+
+    config = TrainerConfig()
+    config.training.mode, config.parallel.tp = "graph", 2
+    with pytest.raises(ConfigError, match=r"^training.mode: graph supports data parallelism .* parallel.tp=2"):
+        config.validate()
+    config.parallel.tp, config.training.activation_checkpoint.mode = 1, "selective"
+    with pytest.raises(ConfigError, match=r"activation_checkpoint.mode: 'selective' is not supported"):
+        config.validate()
