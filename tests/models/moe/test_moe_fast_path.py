@@ -41,7 +41,8 @@ def _run(moe, x, dtype):
 # bf16: the activation is rounded to bf16 after the weight multiply instead of the output after it,
 # a bf16 ulp (2^-8 relative) of O(0.1..1) values; 2e-2 is a few ulps, a wrong row is O(1).
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("fields", [{}, {"n_shared_experts": 1}, {"score_func": "sigmoid", "routed_scaling_factor": 2.5}])
+@pytest.mark.parametrize("fields", [{}, {"n_shared_experts": 1},
+                                    {"score_func": "sigmoid", "routed_scaling_factor": 2.5}])
 def test_folded_weights_match_unfolded_forward_and_backward(monkeypatch, dtype, atol, fields):
     moe = _moe(**fields)
     assert moe.experts.fuses_routing()
