@@ -32,6 +32,9 @@ Arithmetic (bitwise equality depends on it):
   normal e4m3 values, and ``<= 2^-10 * scale`` (half the subnormal step 2^-9) below e4m3's
   smallest normal 2^-6; so ``|dq - x| <= max(2^-4 |x|, 2^-10 scale)`` plus one fp32 rounding of
   the product (and the final cast when ``dtype`` is narrower than fp32).
+- The gathers run under ``torch.no_grad()`` (a gradient path is the caller's: FlexShard reduce-scatters
+  gradients itself), and every rank must pass the same number of columns (not checked: that would
+  cost a collective; a mismatch fails inside the all-gather).
 - Non-finite inputs are not checked (master weights are finite): an ``inf`` gives an ``inf``
   scale and NaNs in its tile.
 """
@@ -152,6 +155,7 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
     fn(out, inp, group=group)
 
 
+@torch.no_grad()
 def gather_block_rows(local_rows: torch.Tensor, group=None, block: int = 128, *, full_rows: int) -> torch.Tensor:
     """The full-precision gather of a ``BlockShard`` parameter (the baseline FP8 is measured against):
     one fixed-slot all-gather in ``local_rows.dtype``; returns ``[full_rows, C]``."""
@@ -163,6 +167,7 @@ def gather_block_rows(local_rows: torch.Tensor, group=None, block: int = 128, *,
     return out[:full_rows]
 
 
+@torch.no_grad()
 def gather_blockwise_fp8(local_rows: torch.Tensor, group=None, block: int = 128, *, full_rows: int,
                          dequantize: torch.dtype | None = None):
     """All-gather a ``BlockShard`` parameter as blockwise FP8.
