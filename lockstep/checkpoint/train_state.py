@@ -78,7 +78,11 @@ def model_slots(model: nn.Module) -> dict[str, Slot]:
 
 
 def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create AdamW's state (as its first step would) so a checkpoint can be loaded into it."""
+    """Create AdamW's state (as its first step would) so a checkpoint can be loaded into it; an
+    optimizer of lockstep's own (Muon) creates its state with ``init_state()``."""
+    if hasattr(optimizer, "init_state"):
+        optimizer.init_state()
+        return
     if not isinstance(optimizer, torch.optim.AdamW):
         raise TypeError(f"checkpointing supports AdamW optimizer state, got {type(optimizer).__name__}")
     for group in optimizer.param_groups:

@@ -101,3 +101,18 @@ def _reference_attention(cfg: TrainerConfig, arg: str | None) -> TrainerConfig:
     assert isinstance(cfg.model.attention, AttentionConfig)
     model = dataclasses.replace(cfg.model, overrides=[*cfg.model.overrides, override])
     return dataclasses.replace(cfg, model=model)
+
+
+@transform("optimizer", "optimizer=muon|adamw: Muon on hidden matrices (AdamW on the rest), or plain AdamW; "
+                        "lr, betas, eps and weight_decay are kept")
+def _optimizer(cfg: TrainerConfig, arg: str | None) -> TrainerConfig:
+    from lockstep.train.optim import OptimizerConfig
+
+    if arg not in ("muon", "adamw"):
+        raise ConfigError(f"--transform optimizer=NAME: NAME must be 'muon' or 'adamw', got {arg!r}")
+    opt = cfg.optimizer
+    if arg == "adamw":  # Muon's own fields back to their defaults, so the config reads as plain AdamW
+        base = OptimizerConfig()
+        opt = dataclasses.replace(opt, momentum=base.momentum, nesterov=base.nesterov, ns_steps=base.ns_steps,
+                                  ns_dtype=base.ns_dtype, adamw_params=[])
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(opt, name=arg))

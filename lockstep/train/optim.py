@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule configs (AdamW; warmup+cosine, warmup-stable-decay)."""
+"""Optimizer and learning-rate schedule configs (AdamW or Muon; warmup+cosine, warmup-stable-decay)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,14 @@ from lockstep.config.base import Config, require, require_choice, require_positi
 
 
 @dataclasses.dataclass(kw_only=True)
-class AdamWConfig(Config):
-    """AdamW; weight decay applies to matrices only (not norms, biases or 1-D parameters)."""
+class OptimizerConfig(Config):
+    """The optimizer: ``name="adamw"`` (AdamW; weight decay on matrices only, not norms, biases or 1-D
+    parameters) or ``name="muon"`` (Muon on 2-D hidden matrices, this AdamW on the rest; see
+    :mod:`lockstep.train.muon`). ``lr``, ``weight_decay`` and the Adam fields mean the same in both:
+    Muon's update is scaled to AdamW's update RMS, so they carry over."""
 
+    #: "adamw", or "muon" (Newton-Schulz-orthogonalised momentum on hidden matrices, AdamW elsewhere)
+    name: str = "adamw"
     #: peak learning rate
     lr: float = 3e-4
     #: Adam beta1
@@ -28,15 +33,35 @@ class AdamWConfig(Config):
     eps: float = 1e-8
     #: decoupled weight decay on matrices
     weight_decay: float = 0.1
+    #: muon only: momentum coefficient of the hidden matrices
+    momentum: float = 0.95
+    #: muon only: Nesterov momentum (orthogonalise grad + momentum * buffer)
+    nesterov: bool = True
+    #: muon only: Newton-Schulz iterations
+    ns_steps: int = 5
+    #: muon only: dtype of the Newton-Schulz iteration, "float32" or "bfloat16"
+    ns_dtype: str = "float32"
+    #: muon only: globs over parameter FQNs also left to AdamW (beside embeddings, the head, 1-D params)
+    adamw_params: list[str] = dataclasses.field(default_factory=list)
 
     def validate(self, path: str = "optimizer") -> None:
+        require_choice(self.name, ["adamw", "muon"], f"{path}.name")
         require_positive(self.lr, f"{path}.lr")
         require(0 <= self.beta1 < 1, f"{path}.beta1", f"must be in [0, 1), got {self.beta1}")
         require(0 <= self.beta2 < 1, f"{path}.beta2", f"must be in [0, 1), got {self.beta2}")
         require_positive(self.eps, f"{path}.eps")
         require(self.weight_decay >= 0, f"{path}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        require(0 <= self.momentum < 1, f"{path}.momentum", f"must be in [0, 1), got {self.momentum}")
+        require(self.ns_steps >= 1, f"{path}.ns_steps", f"must be >= 1, got {self.ns_steps}")
+        require_choice(self.ns_dtype, ["float32", "bfloat16"], f"{path}.ns_dtype")
+        require(self.name == "muon" or not self.adamw_params, f"{path}.adamw_params",
+                f"only applies to name='muon', got name={self.name!r}")
 
-    def build(self, model: nn.Module) -> torch.optim.AdamW:
+    def build(self, model: nn.Module) -> torch.optim.Optimizer:
+        if self.name == "muon":
+            from lockstep.train.muon import build_muon
+
+            return build_muon(self, model)
         # Groups by (decays?, is a DTensor?): one fused kernel call per group may not mix sharded
         # and plain tensors (expert-parallel weights stay plain beside FSDP's DTensors).
         buckets: dict[tuple[bool, bool], list[nn.Parameter]] = {}
@@ -51,6 +76,10 @@ class AdamWConfig(Config):
                                       fused=True)
         optimizer.register_step_post_hook(_mark_parameters_written)
         return optimizer
+
+
+#: the name recipes and tests have always used; the same config (``name`` defaults to "adamw")
+AdamWConfig = OptimizerConfig
 
 
 def _mark_parameters_written(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
