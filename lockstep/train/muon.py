@@ -24,8 +24,9 @@ so AdamW's ``lr`` and ``weight_decay`` carry over. Weight decay is decoupled (as
 Newton-Schulz runs in ``optimizer.ns_dtype``: float32 by default (on CPU the iteration is a few
 small matmuls per matrix, cheap beside the step, and fp32 keeps the result independent of how the
 bf16 rounding falls; "bfloat16" halves its cost on accelerators, as the reference implementation
-does). Sharded (DTensor) parameters are refused for now: FSDP2/TP row shards would need a gather
-before orthogonalising, which the distributed Muon of issue #20 will provide.
+does). Sharded (DTensor: FSDP2, TP) matrices take the gather-everything baseline: every rank gathers
+the whole momentum-corrected matrix, orthogonalises it and keeps its shard (``_orthogonalise``); the
+distributed Muon of issue #20 (whole matrices owned by ranks, no gather) replaces it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,6 @@ import torch
 from torch import nn
 from torch.optim.adamw import adamw
 
-from lockstep.config.base import ConfigError
 from lockstep.config.overrides import match_module_globs
 
 if TYPE_CHECKING:
@@ -78,10 +78,23 @@ def muon_update(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, *, l
     """One Muon step of one whole matrix (or stack ``[E, out, in]``), in place on ``param`` and ``buf``."""
     buf.mul_(momentum).add_(grad)
     m = grad.add(buf, alpha=momentum) if nesterov else buf
-    ortho = newton_schulz(m, ns_steps, ns_dtype).to(param.dtype)
+    ortho = _orthogonalise(m, ns_steps, ns_dtype).to(param.dtype)
     if weight_decay:
         param.mul_(1 - lr * weight_decay)
     param.add_(ortho, alpha=-lr * muon_scale(param.shape))
+
+
+def _orthogonalise(m: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """Newton-Schulz of a whole matrix. A DTensor (FSDP2/TP shards) takes the gather-everything
+    baseline: every rank gathers the whole matrix, orthogonalises it and keeps its own shard (a
+    Replicate -> Shard redistribute is a local slice, no communication)."""
+    if not hasattr(m, "device_mesh"):
+        return newton_schulz(m, steps, dtype)
+    from torch.distributed.tensor import DTensor, Replicate
+
+    whole = newton_schulz(m.full_tensor(), steps, dtype)
+    replicated = DTensor.from_local(whole, m.device_mesh, [Replicate()] * m.device_mesh.ndim, run_check=False)
+    return replicated.redistribute(m.device_mesh, m.placements)
 
 
 class Muon(torch.optim.Optimizer):
@@ -166,24 +179,22 @@ def build_muon(cfg: OptimizerConfig, model: nn.Module) -> Muon:
     """The Muon optimizer of ``cfg`` (``name="muon"``) over ``model``'s trainable parameters."""
     from lockstep.train.optim import _mark_parameters_written
 
-    sharded = [n for n, p in model.named_parameters() if hasattr(p, "device_mesh")]
-    if sharded:
-        raise ConfigError(f"optimizer.name: 'muon' needs whole matrices, but {sharded[0]!r} is a sharded DTensor "
-                          "(parallel.dp_shard > 1 or tp > 1); use name='adamw' until distributed Muon (#20)")
     muon_fqns, _ = split_parameters(model, cfg.adamw_params)
     muon_set = set(muon_fqns)
     owners = _owners(model)
-    muon, adam_decay, adam_flat = [], [], []
+    # AdamW groups by (decays?, is a DTensor?), as name="adamw": one fused call may not mix sharded
+    # and plain tensors (expert-parallel weights stay plain beside FSDP's DTensors).
+    muon, adam = [], {}
     for p in model.parameters():
         if not p.requires_grad:
             continue
         if owners[id(p)][0] in muon_set:
             muon.append(p)
         else:
-            (adam_decay if p.ndim >= 2 else adam_flat).append(p)
-    groups = [{"params": ps, "use_muon": use, "weight_decay": wd}
-              for ps, use, wd in ((muon, True, cfg.weight_decay), (adam_decay, False, cfg.weight_decay),
-                                  (adam_flat, False, 0.0)) if ps]
+            adam.setdefault((p.ndim >= 2, hasattr(p, "device_mesh")), []).append(p)
+    groups = [{"params": muon, "use_muon": True, "weight_decay": cfg.weight_decay}] if muon else []
+    groups += [{"params": ps, "use_muon": False, "weight_decay": cfg.weight_decay if decays else 0.0}
+               for (decays, _), ps in sorted(adam.items(), key=lambda kv: (not kv[0][0], kv[0][1]))]
     optimizer = Muon(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, momentum=cfg.momentum,
                      nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, ns_dtype=getattr(torch, cfg.ns_dtype))
     optimizer.register_step_post_hook(_mark_parameters_written)
