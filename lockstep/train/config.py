@@ -16,7 +16,7 @@ from lockstep.parallel.checkpointing import ActivationCheckpointConfig
 from lockstep.parallel.dims import ParallelConfig
 from lockstep.run.config import SinkOutputs, validate_device
 from lockstep.run.nonfinite import validate_nonfinite
-from lockstep.train.optim import AdamWConfig, LRScheduleConfig
+from lockstep.train.optim import LRScheduleConfig, OptimizerConfig
 
 DTYPES = ["float32", "bfloat16"]
 TRAINING_MODES = ["eager", "graph"]
@@ -147,7 +147,7 @@ class TrainerConfig(RunConfig):
     #: the corpus, tokenizer and loaders
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     #: the optimizer
-    optimizer: AdamWConfig = dataclasses.field(default_factory=AdamWConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     #: the learning-rate schedule
     lr_schedule: LRScheduleConfig = dataclasses.field(default_factory=LRScheduleConfig)
     #: batch, precision and accumulation
