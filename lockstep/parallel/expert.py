@@ -116,6 +116,8 @@ class ExpertParallelExperts(GroupedExperts):
     is a collective over ``group`` (every ep rank must call it, in the same layer order).
     """
 
+    takes_routing = False  # rows cross ranks / the hidden dim is split: dispatch and combine stay outside
+
     def __init__(self, experts: GroupedExperts, group=None) -> None:
         nn.Module.__init__(self)
         self.group = _group_of(group)
@@ -210,6 +212,8 @@ class TensorParallelExperts(GroupedExperts):
     """A :class:`GroupedExperts` whose weights are DTensors split over the tp mesh on the hidden dim
     (``w1`` / ``w3`` ``Shard(1)``, ``w2`` ``Shard(2)``): it computes every expert's partial output
     from its local shards (the caller sums the partials over tp)."""
+
+    takes_routing = False  # rows cross ranks / the hidden dim is split: dispatch and combine stay outside
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _local_weights(self)

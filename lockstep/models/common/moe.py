@@ -263,6 +263,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as stacked weights: ``w1, w3 [E, F, D]`` and ``w2 [E, D, F]`` (Linear layout)."""
 
+    #: whether ``forward`` may take the routing (gather + weights): see :meth:`fuses_routing`
+    takes_routing: bool = True
+
     def __init__(self, n_experts: int, dim: int, hidden_dim: int, impl: str = "auto",
                  init_std: float = 0.02, out_init_std: float | None = None, bias: bool = False,
                  activation=None) -> None:
@@ -323,9 +326,10 @@ class GroupedExperts(nn.Module):
 
     def fuses_routing(self) -> bool:
         """Whether ``forward`` takes ``row_weights`` and ``token``: the bias-free ``torch._grouped_mm``
-        path of this exact class (subclasses for expert / tensor parallelism keep the dispatch and
-        the weighted combine outside)."""
-        return (type(self) is GroupedExperts and self.b1 is None and not numerics.is_batch_invariant()
+        path of this class (subclasses for expert / tensor parallelism set ``takes_routing = False``:
+        they keep the dispatch and the weighted combine outside). A class test would be wrong here:
+        FSDP2 swaps a sharded module's class for a generated subclass, and its forward is this one."""
+        return (self.takes_routing and self.b1 is None and not numerics.is_batch_invariant()
                 and resolve_impl(self.impl, self.w1.device) == "grouped_mm")
 
     def _grouped_mm(self, x: torch.Tensor, counts: torch.Tensor, row_weights: torch.Tensor | None = None,

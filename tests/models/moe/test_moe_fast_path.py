@@ -86,10 +86,17 @@ def test_which_modules_fold():
     with numerics.batch_invariant(True):
         assert not moe.experts.fuses_routing()
 
-    class Sub(GroupedExperts):  # expert- / tensor-parallel experts are subclasses: they never fold
-        pass
+    from torch.distributed.fsdp import FSDPModule
 
-    assert not Sub(4, 8, 6).fuses_routing()
+    from lockstep.parallel.expert import ExpertParallelExperts, TensorParallelExperts
+
+    # expert- / tensor-parallel experts keep dispatch and combine outside: they never fold
+    assert not ExpertParallelExperts.takes_routing and not TensorParallelExperts.takes_routing
+    # FSDP2 swaps a sharded module's class for a generated subclass with the same forward: it still
+    # folds, as one process does (else FSDP2 and the traceable FSDP / one process round differently)
+    fsdp_experts = moe.experts
+    fsdp_experts.__class__ = type("FSDPGroupedExperts", (FSDPModule, GroupedExperts), {})
+    assert fsdp_experts.fuses_routing()
     with pytest.raises(ValueError, match="row_weights"):
         _moe(experts_impl="loop").experts(torch.randn(3, 16), torch.tensor([1, 2, 0, 0, 0, 0]),
                                           row_weights=torch.ones(3))
