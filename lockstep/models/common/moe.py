@@ -47,6 +47,7 @@ from lockstep.models.common.moe_routing import (
     route,
     sequence_balance_loss,
 )
+from lockstep.models.common.moe_rows import GatherCast, mask_tail, pad_groups, pad_positions, row_experts
 
 SCORE_FUNCS = ["softmax", "sigmoid", "topk_softmax"]
 ACTIVATIONS = ["silu", "clamped_swiglu"]
@@ -176,77 +177,6 @@ def _contiguous_grad(t: torch.Tensor) -> torch.Tensor:
 _CPU_ROW_BUCKET = 32
 
 
-def _pad_groups(x: torch.Tensor, counts: torch.Tensor,
-                bucket: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x [N, D]`` grouped by ``counts`` -> ``(padded, padded_counts, rows)``: each group followed by
-    zero rows up to a multiple of ``bucket``; ``padded[rows]`` is ``x``. Zero rows add exact zeros to
-    the weight gradients and the rows' own results do not depend on the row count (a test pins this
-    bitwise), so the padding changes only speed."""
-    padded_counts, rows, total = _pad_positions(counts, bucket, x.shape[0])
-    padded = x.new_zeros(total, x.shape[1]).index_copy(0, rows, x)
-    return padded, padded_counts, rows
-
-
-def _pad_positions(counts: torch.Tensor, bucket: int, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(padded_counts, rows, total)`` of :func:`_pad_groups` for ``n`` rows grouped by ``counts``:
-    row ``i`` goes to ``rows[i]`` of a ``total``-row padded input."""
-    padded_counts = (counts + bucket - 1) // bucket * bucket
-    expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts, output_size=n)
-    shift = (padded_counts.cumsum(0) - padded_counts) - (counts.cumsum(0) - counts)
-    rows = torch.arange(n, device=counts.device) + shift[expert]
-    return padded_counts, rows, _padded_rows(counts, padded_counts, bucket, n)
-
-
-class _GatherCast(torch.autograd.Function):
-    """``x [N, D]`` -> ``x.to(dtype)[src]``, rows with ``src == N`` zero: the gather by token, the cast
-    and the padding of :func:`_pad_groups` in one pass over the padded rows (casting the ``N`` inputs
-    before gathering their ``k N`` copies). Backward sums each row's gradient, cast to ``x``'s dtype,
-    into its token with ``index_add_`` in row order: the same values, added in the same order, as the
-    gather -> cast -> pad it replaces (a test pins forward and backward bitwise)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        ctx.save_for_backward(src)
-        ctx.n, ctx.in_dtype = x.shape[0], x.dtype
-        low = x.to(dtype)
-        return torch.cat([low, low.new_zeros(1, x.shape[1])]).index_select(0, src)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (src,) = ctx.saved_tensors
-        acc = grad.new_zeros(ctx.n + 1, grad.shape[1], dtype=ctx.in_dtype)
-        return acc.index_add_(0, src, grad.to(ctx.in_dtype))[:ctx.n], None, None
-
-
-def _padded_rows(counts: torch.Tensor, padded_counts: torch.Tensor, bucket: int, n: int) -> int:
-    """Rows of the padded input: the groups' padded total, read on the host; while a graph capture
-    traces (no host reads), its static upper bound instead -- the groups keep their exact padded sizes
-    and the rows past the last group are left to :func:`_mask_tail` (so each group's matmuls, and the
-    weight gradients, are the same as eager's)."""
-    if is_capturing():
-        return (n + counts.shape[0] * (bucket - 1)) // bucket * bucket
-    return int(padded_counts.sum())
-
-
-def _mask_tail(t: torch.Tensor, offs: torch.Tensor, padded: bool) -> torch.Tensor:
-    """Zero the rows past the last group (``torch._grouped_mm`` leaves them unwritten); they exist only
-    in a padded input (``padded``) under a capture."""
-    if not (padded and is_capturing()):
-        return t
-    valid = torch.arange(t.shape[0], device=t.device) < offs[-1]
-    return torch.where(valid.unsqueeze(1), t, torch.zeros((), dtype=t.dtype, device=t.device))
-
-
-def _row_experts(counts: torch.Tensor, offs: torch.Tensor, n: int, padded: bool) -> torch.Tensor:
-    """Each of the ``n`` (padded) rows' expert; under a capture the rows past the last group (masked to
-    zero by :func:`_mask_tail`, so they add exact zeros to the last expert's bias gradient) count as
-    the last expert's."""
-    if not (padded and is_capturing()):
-        return torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts, output_size=n)
-    rows = torch.arange(n, device=counts.device, dtype=offs.dtype)
-    return torch.searchsorted(offs, rows, right=True).clamp(max=counts.shape[0] - 1)
-
-
 def _recomputing() -> bool:
     """Whether this forward runs inside a backward pass: an activation checkpoint's recompute (both
     ``torch.utils.checkpoint`` implementations recompute from autograd's engine, which is the only
@@ -340,13 +270,13 @@ class GroupedExperts(nn.Module):
         rows = None
         pad = x.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
         if token is not None and pad and not is_capturing():
-            counts, rows, total = _pad_positions(counts, _CPU_ROW_BUCKET, token.shape[0])
+            counts, rows, total = pad_positions(counts, _CPU_ROW_BUCKET, token.shape[0])
             src = token.new_full((total,), x.shape[0]).index_copy(0, rows, token)
-            x = _GatherCast.apply(x, src, dtype)
+            x = GatherCast.apply(x, src, dtype)
         else:
             x = (x if token is None else x.index_select(0, token)).to(dtype)
             if pad:
-                x, counts, rows = _pad_groups(x, counts, _CPU_ROW_BUCKET)
+                x, counts, rows = pad_groups(x, counts, _CPU_ROW_BUCKET)
         if row_weights is not None and rows is not None:  # padding rows weigh 0
             row_weights = row_weights.new_zeros(x.shape[0]).index_copy(0, rows, row_weights)
         offs = counts.cumsum(0).to(torch.int32)
@@ -355,17 +285,17 @@ class GroupedExperts(nn.Module):
         gate = _contiguous_grad(torch._grouped_mm(x, w1.mT, offs=offs))
         up = _contiguous_grad(torch._grouped_mm(x, w3.mT, offs=offs))
         if self.b1 is None:
-            act = self._act(_mask_tail(gate, offs, padded), _mask_tail(up, offs, padded))
+            act = self._act(mask_tail(gate, offs, padded), mask_tail(up, offs, padded))
             if row_weights is not None:
                 act = act * row_weights.unsqueeze(1).to(dtype)
             out = _contiguous_grad(torch._grouped_mm(act, w2.mT, offs=offs))
             return out if rows is None else out[rows]
-        expert = _row_experts(counts, offs, x.shape[0], padded)  # each row's expert
+        expert = row_experts(counts, offs, x.shape[0], padded)  # each row's expert
         b1, b3, b2 = self.local_biases()
         # masked after the bias: the tail's (unwritten) gradients must not reach the bias gradients
-        gate = _mask_tail(gate + b1.to(dtype)[expert], offs, padded)
-        up = _mask_tail(up + b3.to(dtype)[expert], offs, padded)
-        out = _mask_tail(_contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs)), offs, padded)
+        gate = mask_tail(gate + b1.to(dtype)[expert], offs, padded)
+        up = mask_tail(up + b3.to(dtype)[expert], offs, padded)
+        out = mask_tail(_contiguous_grad(torch._grouped_mm(self._act(gate, up), w2.mT, offs=offs)), offs, padded)
         out = out + b2.to(dtype)[expert]
         return out if rows is None else out[rows]
 
