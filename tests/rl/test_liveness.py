@@ -69,14 +69,19 @@ class Job:
         """The pid of torchrun worker ``rank`` (waits for it to start)."""
         def find() -> int | None:
             self._track()
+            matches = {}
             for pid in self.pids:
                 try:
                     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                except OSError:
+                    ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
                     continue
                 if f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RUN_ID=" in b"".join(environ):
-                    return pid
-            return None
+                    matches[pid] = ppid
+            # The worker's own children (the async checkpoint writer, multiprocessing's resource tracker)
+            # inherit its environment: the worker is the match whose parent is not a match.
+            workers = [pid for pid, ppid in matches.items() if ppid not in matches]
+            return workers[0] if len(workers) == 1 else None
         return wait_for(find, 120, f"worker rank {rank}")
 
     def steps(self) -> list[dict]:
