@@ -7,7 +7,9 @@ fixed-capacity operation, no overlap) and ``--chunks`` (overlapped), each under 
 forced-balanced routing (round-robin experts, weights 1/k: a different workload -- every expert
 gets the same tokens -- so its row is labelled and never compared with a learned row as if it were
 the same job). Per row: tokens/s over all ranks, exposed communication per step (``moe/dispatch_wait_s``
-+ ``moe/combine_wait_s``, the time ranks sat blocked in ``wait``; not measured for ep_chunks 0),
++ ``moe/combine_wait_s``, the time rank 0 sat blocked in ``wait`` on the data exchanges; not measured
+for ep_chunks 0), the skew wait (``moe/sync_wait_s``: the plan's blocking counts gather, where a rank
+waits for the slowest one -- load skew, kept out of the exposed communication),
 ``moe/hidden_frac`` and the imbalance (max / mean tokens per expert, mean over layers and steps).
 
     .venv/bin/python benchmarks/moe_overlap.py [--worlds 2,4] [--flavor tiny] [--batch 2] [--seq 128]
@@ -47,7 +49,7 @@ def _run(args, routing: str, chunks: int, rank: int, capacity_factor: float = 0.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    times, exposed, hidden, imbalance, dropped = [], [], [], [], []
+    times, exposed, sync, hidden, imbalance, dropped = [], [], [], [], [], []
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
         dist.barrier()
@@ -66,12 +68,14 @@ def _run(args, routing: str, chunks: int, rank: int, capacity_factor: float = 0.
             m = {k: float(v) for k, v in metrics.items()}
             if "moe/dispatch_wait_s" in m:  # this forward + the previous step's backward
                 exposed.append(m["moe/dispatch_wait_s"] + m["moe/combine_wait_s"])
+                sync.append(m["moe/sync_wait_s"])
                 hidden.append(m["moe/hidden_frac"])
                 dropped.append(m["moe/dropped_tokens"])
             per_layer = [m[k] for k in m if k.endswith("/imbalance") and not k.startswith("moe/")]
             if per_layer:  # the Dist-MoE rows (over the ep group)
                 imbalance.append(statistics.mean(per_layer))
     return {"step_s": statistics.median(times), "exposed_s": statistics.median(exposed) if exposed else None,
+            "sync_s": statistics.median(sync) if sync else None,
             "hidden_frac": statistics.median(hidden) if hidden else None,
             "imbalance": statistics.mean(imbalance) if imbalance else None,
             "dropped": statistics.mean(dropped) if dropped else None}
@@ -113,8 +117,8 @@ def main() -> None:
     print(f"qwen3_moe {args.flavor}, {args.dtype}, per rank {args.batch} x {args.seq} tokens, "
           f"{args.threads} thread(s) per rank, host CPUs {os.cpu_count()}, torch {torch.__version__}")
     print("| world | routing | ep_chunks | capacity | tokens/s | step s | exposed comm s/step | hidden_frac "
-          "| imbalance max/mean | dropped/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| skew wait s/step | imbalance max/mean | dropped/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "rows.pt")
@@ -126,7 +130,8 @@ def main() -> None:
             capacity = "no-drop" if factor == 0 else f"factor {factor}"
             cells = [str(world), routing, label, capacity, f"{world * args.batch * args.seq / step:,.0f}",
                      f"{step:.3f}"]
-            for key, fmt in (("exposed_s", "{:.4f}"), ("hidden_frac", "{:.2f}"), ("imbalance", "{:.2f}"),
+            for key, fmt in (("exposed_s", "{:.4f}"), ("hidden_frac", "{:.2f}"), ("sync_s", "{:.4f}"),
+                             ("imbalance", "{:.2f}"),
                              ("dropped", "{:.0f}")):
                 vals = [r[key] for r in runs if r[key] is not None]
                 cells.append(fmt.format(statistics.median(vals)) if vals else "-")

@@ -37,8 +37,10 @@ Bits: ``ep_chunks`` 1, 2, 4 and every no-drop capacity give bitwise-equal losses
 matmul calls): the tests find equal bits on the debug flavors at ep 2 and 4 in fp32.
 
 Metrics (``pop_auxiliary``; per layer under the layer's path, totals over layers under ``moe/``):
-``dispatch_wait_s`` / ``combine_wait_s`` (time blocked waiting on those exchanges, forward and
-backward, the counts gather counted as dispatch), ``hidden_frac`` (1 - waited / total time of the
+``dispatch_wait_s`` / ``combine_wait_s`` (exposed communication: time blocked waiting on the data
+exchanges, forward and backward), ``sync_wait_s`` (the plan's blocking counts gather: every rank waits
+there for the slowest one, so it measures load skew between ranks more than transfer; kept apart so
+skew does not count as exposed communication), ``hidden_frac`` (1 - waited / total time of the data
 exchanges from issue to completion), ``imbalance`` (max / mean tokens per expert over the ep group,
 last forward), ``dropped_tokens`` (assignments dropped over the ep group, last forward). A step's
 backward waits are reported with the next forward's metrics (the objective pops them right after
@@ -59,7 +61,7 @@ from lockstep.graph.state import is_capturing
 from lockstep.models.common.moe import MoE
 from lockstep.parallel.dist_moe_ops import CallState, Dispatch, ExpertsCombine, Recorder, make_plan
 
-TIMES = ("dispatch_wait_s", "combine_wait_s", "dispatch_s", "combine_s")
+TIMES = ("dispatch_wait_s", "combine_wait_s", "sync_wait_s", "dispatch_s", "combine_s")
 
 
 def drop_policy(capacity_factor: float) -> str:
@@ -74,7 +76,7 @@ def describe_dispatch(config) -> dict:
     return {"operation": "dist_moe: fixed-capacity all_to_all dispatch -> bmm experts -> combine, one autograd "
                          "function per direction", "ep_chunks": config.ep_chunks, "overlap": config.ep_chunks > 1,
             "capacity_factor": config.ep_capacity_factor, "drop_policy": drop_policy(config.ep_capacity_factor),
-            "metrics": "moe/dispatch_wait_s, moe/combine_wait_s, moe/hidden_frac, moe/imbalance, "
+            "metrics": "moe/dispatch_wait_s, moe/combine_wait_s, moe/sync_wait_s, moe/hidden_frac, moe/imbalance, "
                        "moe/dropped_tokens (and per layer)"}
 
 
@@ -97,7 +99,8 @@ class DistMoETotals(nn.Module):
         sums, self._sums = self._sums, {}
         if not sums:
             return {}, {}
-        out = {k: sums[k] for k in ("dispatch_wait_s", "combine_wait_s", "dropped_tokens", "imbalance") if k in sums}
+        out = {k: sums[k] for k in ("dispatch_wait_s", "combine_wait_s", "sync_wait_s", "dropped_tokens", "imbalance")
+               if k in sums}
         comm = sums.get("dispatch_s", 0.0) + sums.get("combine_s", 0.0)
         waited = sums.get("dispatch_wait_s", 0.0) + sums.get("combine_wait_s", 0.0)
         out["hidden_frac"] = _hidden(waited, comm)
@@ -155,6 +158,7 @@ class DistMoE(MoE):
             self.totals.add(mine)
         metrics["dispatch_wait_s"] = times["dispatch_wait_s"]
         metrics["combine_wait_s"] = times["combine_wait_s"]
+        metrics["sync_wait_s"] = times["sync_wait_s"]
         metrics["hidden_frac"] = _hidden(times["dispatch_wait_s"] + times["combine_wait_s"],
                                          times["dispatch_s"] + times["combine_s"])
         metrics["imbalance"] = stats["imbalance"]

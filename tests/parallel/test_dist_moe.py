@@ -194,7 +194,7 @@ def test_no_drop_metrics(results):
     _, ranks = results
     for res in ranks:
         m = res["metrics"][1]
-        for name in ("dispatch_wait_s", "combine_wait_s", "hidden_frac", "imbalance", "dropped_tokens"):
+        for name in ("dispatch_wait_s", "combine_wait_s", "sync_wait_s", "hidden_frac", "imbalance", "dropped_tokens"):
             assert f"moe/{name}" in m and f"layers.0.feed_forward/{name}" in m, sorted(m)
         assert m["moe/dropped_tokens"] == 0.0
         assert m["layers.0.feed_forward/imbalance"] >= 1.0
@@ -235,7 +235,7 @@ def test_cli_run_reports_metrics_and_manifest(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if "moe/hidden_frac" in r]
     assert len(train) == 3
-    for name in ("dispatch_wait_s", "combine_wait_s", "hidden_frac", "imbalance", "dropped_tokens"):
+    for name in ("dispatch_wait_s", "combine_wait_s", "sync_wait_s", "hidden_frac", "imbalance", "dropped_tokens"):
         assert f"moe/{name}" in train[-1] and f"layers.0.feed_forward/{name}" in train[-1]
     assert train[-1]["moe/dropped_tokens"] == 0.0 and train[-1]["moe/imbalance"] >= 1.0
     entry = json.loads((run_dir / "manifest.json").read_text())["parallel"]["expert_dispatch"]
