@@ -1,7 +1,7 @@
 """``lockstep`` command line: ``recipes``, ``train`` (recipe + transforms + overrides + field flags),
 ``convert``, ``plan``, ``generate`` and ``chat`` (see :mod:`lockstep.cli_generate`).
 
-``lockstep rl`` (see :mod:`lockstep.cli_rl`).
+``lockstep rl`` (see :mod:`lockstep.cli_rl`); ``lockstep serve`` (see :mod:`lockstep.serve.cli`).
 
 ``lockstep train --recipe NAME [--transform T ...] [--override PATTERN=KIND,...] [--a.b.c VALUE ...]``
 resolves the config in that order (recipe, transforms, field flags, overrides), validates it before
@@ -249,6 +249,12 @@ def cmd_chat(argv: list[str]) -> int:
     return chat(argv)
 
 
+def cmd_serve(argv: list[str]) -> int:
+    from lockstep.serve.cli import cmd_serve as serve
+
+    return serve(argv)
+
+
 def cmd_rl(argv: list[str]) -> int:
     from lockstep.cli_rl import cmd_rl as rl
 
@@ -256,7 +262,7 @@ def cmd_rl(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "rl": cmd_rl, "recipes": cmd_recipes, "convert": cmd_convert, "plan": cmd_plan,
-            "generate": cmd_generate, "chat": cmd_chat}
+            "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

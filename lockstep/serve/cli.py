@@ -1,0 +1,121 @@
+"""``lockstep serve``: an OpenAI-compatible HTTP server over a model or run directory.
+
+    lockstep serve --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--engine lockstep|vllm]
+                   [--max-batch-size 32] [--max-queue 64] [--cache-mb 512] [--served-model-name NAME]
+
+DIR is anything ``lockstep generate`` loads (:mod:`lockstep.load`). Every flag is checked before the
+model is loaded; a bad one is a ``ConfigError`` naming the flag. ``--engine vllm`` takes its engine
+from :mod:`lockstep.vllm` (``build_engine(model, tokenizer, EngineConfig)`` or a ``VllmEngine`` class
+with the lockstep Engine's constructor and request API).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from typing import Any
+
+from lockstep.config.base import ConfigError
+
+ENGINES = ("lockstep", "vllm")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lockstep serve", description=(
+        "Serve a model over OpenAI's HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."))
+    parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="Hugging Face model dir, lockstep model dir, training run dir (latest checkpoint), "
+                             "a llama .gguf file, or a pretrained name (smollm2)")
+    parser.add_argument("--step", type=int, default=None, help="a run directory's checkpoint step (default: latest)")
+    parser.add_argument("--allow-unverified-weights", action="store_true",
+                        help="also load weight files that carry no lockstep checksums")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    parser.add_argument("--engine", default="lockstep", choices=ENGINES, help="generation engine")
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model name clients send (default: the checkpoint directory's name)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE",
+                        help="Jinja chat template file (or tokenizer_config.json) to use instead of the model's")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="most requests decoded together")
+    parser.add_argument("--max-queue", type=int, default=64,
+                        help="most requests waiting beyond the running batch; one more is answered 429")
+    parser.add_argument("--cache-mb", type=float, default=512.0, help="KV-cache memory in MiB")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                        help="weight dtype (auto: as stored)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    args = _parser().parse_args(argv)
+    checkpoint = Path(args.checkpoint).expanduser()
+    if not checkpoint.exists() and len(checkpoint.parts) > 1:
+        raise ConfigError(f"--checkpoint {checkpoint}: no such directory")
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port: must be in [0, 65535], got {args.port}")
+    if args.max_batch_size < 1:
+        raise ConfigError(f"--max-batch-size: must be >= 1, got {args.max_batch_size}")
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue: must be >= 0, got {args.max_queue}")
+    if args.cache_mb <= 0:
+        raise ConfigError(f"--cache-mb: must be > 0, got {args.cache_mb}")
+    if args.step is not None and args.step < 0:
+        raise ConfigError(f"--step: must be >= 0, got {args.step}")
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        raise ConfigError("--served-model-name: must not be empty")
+    if args.engine == "vllm":
+        vllm_factory()  # a missing lockstep.vllm shows now, before loading the model
+    from lockstep.run.config import validate_device
+
+    validate_device(args.device, "--device")
+    return args
+
+
+def vllm_factory() -> Any:
+    """What builds a vLLM engine: ``lockstep.vllm.build_engine`` or ``lockstep.vllm.VllmEngine``."""
+    try:
+        module = importlib.import_module("lockstep.vllm")
+    except ModuleNotFoundError as err:
+        if err.name and err.name.startswith("lockstep.vllm"):
+            raise ConfigError("--engine vllm: the vLLM engine (lockstep.vllm) is not part of this installation; "
+                              "use --engine lockstep") from None
+        raise ConfigError(f"--engine vllm: lockstep.vllm needs {err.name!r}, which is not installed "
+                          f"(install the vllm extra)") from None
+    factory = getattr(module, "build_engine", None) or getattr(module, "VllmEngine", None)
+    if factory is None:
+        raise ConfigError("--engine vllm: lockstep.vllm has no build_engine() or VllmEngine to serve with")
+    return factory
+
+
+def build_engine(kind: str, model: Any, tokenizer: Any, *, cache_mb: float, max_batch_size: int) -> Any:
+    """The engine ``--engine`` names, over an already-loaded model."""
+    from lockstep.generate import Engine, EngineConfig
+
+    config = EngineConfig(cache_memory_mb=cache_mb, max_batch_size=max_batch_size)
+    if kind == "vllm":
+        return vllm_factory()(model, tokenizer, config)
+    return Engine(model, tokenizer, config)
+
+
+def cmd_serve(argv: list[str]) -> int:
+    """``lockstep serve ...``: serve until interrupted."""
+    args = parse_args(argv)
+    from lockstep.cli_generate import _load
+
+    from lockstep.serve.app import create_app
+    from lockstep.serve.server import run_server
+
+    source = _load(args, need_template=False)
+    engine = build_engine(args.engine, source.model, source.tokenizer, cache_mb=args.cache_mb,
+                          max_batch_size=args.max_batch_size)
+    name = args.served_model_name or Path(args.checkpoint).expanduser().name or str(args.checkpoint)
+    app = create_app(engine, model_name=name, chat_template=source.chat_template,
+                     stop_token_ids=source.stop_token_ids, max_batch_size=args.max_batch_size,
+                     max_queue=args.max_queue)
+    print(f"lockstep serve: {source.description} as {name!r} ({args.engine} engine) on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr)
+    run_server(app, args.host, args.port, args.log_level)
+    return 0
