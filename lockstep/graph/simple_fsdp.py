@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from lockstep.config.base import ConfigError
+from lockstep.parallel.param_properties import swap_in_properties
 
 
 def _functional_ops():
@@ -157,9 +158,6 @@ def _root_post_hook(module, args, output) -> None:
         _STATE.cache = None
 
 
-_CLASS_CACHE: dict[tuple[type, frozenset[str]], type] = {}
-
-
 def _gathering_property(name: str) -> property:
     def get(self):
         stored = self._parameters[name]
@@ -168,16 +166,6 @@ def _gathering_property(name: str) -> property:
         return gather_parameter(stored, self._shard_specs[name])
 
     return property(get)
-
-
-def _swap_class(module: nn.Module, names: list[str]) -> None:
-    """Give ``module`` a subclass whose ``names`` are properties gathering the stored parameter
-    (``state_dict``, ``named_parameters`` and the optimizer read ``_parameters``: the shards)."""
-    key = (type(module), frozenset(names))
-    if key not in _CLASS_CACHE:
-        _CLASS_CACHE[key] = type(f"SimpleFSDP{type(module).__name__}", (type(module),),
-                                 {n: _gathering_property(n) for n in names})
-    module.__class__ = _CLASS_CACHE[key]
 
 
 def is_simple_fsdp(model: nn.Module) -> bool:
@@ -223,7 +211,7 @@ def simple_fsdp(model: nn.Module, mesh, param_dtype: torch.dtype | None,
                                     replicate_group=replicate_group, param_dtype=param_dtype,
                                     reduce_dtype=reduce_dtype)
         module._shard_specs = specs
-        _swap_class(module, names)
+        swap_in_properties(module, names, _gathering_property, "SimpleFSDP")
     model.register_forward_pre_hook(_root_pre_hook)
     model.register_forward_hook(_root_post_hook, always_call=True)
     return model

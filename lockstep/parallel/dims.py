@@ -49,6 +49,16 @@ class ParallelConfig(Config):
     fsdp_param_dtype: str = "float32"
     #: FSDP: free gathered parameters after forward ("always", "never", "except_last")
     reshard_after_forward: str = "always"
+    #: data-parallel sharding: "fsdp2" (FSDP2 row shards) or "flex" (FlexShard: per-bucket placements,
+    #: lockstep.parallel.flex; dp_shard / dp_replicate only)
+    sharding: str = "fsdp2"
+    #: sharding "flex": buckets "GLOB[|GLOB...]=PLACEMENT[+fp8][@MESH_DIM]", placement shard(D), owned or
+    #: block_shard(D,B), e.g. "layers.*.attention.w[qkv].weight=block_shard(0,16)"; every parameter in
+    #: exactly one bucket; empty = one bucket of everything with shard(0)
+    flex_buckets: list[str] = dataclasses.field(default_factory=list)
+    #: sharding "flex": "" (flex_buckets) or "muon" (hidden matrices owned, attention q/k/v
+    #: block_shard(0, head_dim), the rest shard(0): distributed Muon without gathers)
+    flex_preset: str = ""
 
     def validate(self, path: str = "parallel") -> None:
         require(self.dp_replicate >= 1, f"{path}.dp_replicate", f"must be >= 1, got {self.dp_replicate}")
@@ -76,6 +86,23 @@ class ParallelConfig(Config):
         require_choice(self.fsdp_param_dtype, ["float32", "bfloat16"], f"{path}.fsdp_param_dtype")
         require_choice(self.reshard_after_forward, ["always", "never", "except_last"],
                        f"{path}.reshard_after_forward")
+        self._validate_flex(path)
+
+    def _validate_flex(self, path: str) -> None:
+        require_choice(self.sharding, ["fsdp2", "flex"], f"{path}.sharding")
+        require_choice(self.flex_preset, ["", "muon"], f"{path}.flex_preset")
+        if self.sharding != "flex":
+            require(not self.flex_buckets and not self.flex_preset, f"{path}.sharding",
+                    f"flex_buckets / flex_preset need sharding='flex', got {self.sharding!r}")
+            return
+        for name in ("tp", "ep", "cp", "pp"):
+            require(getattr(self, name) == 1, f"{path}.sharding",
+                    f"flex supports dp_shard / dp_replicate only, got {name}={getattr(self, name)}")
+        require(not (self.flex_buckets and self.flex_preset), f"{path}.flex_buckets",
+                f"give flex_buckets or flex_preset={self.flex_preset!r}, not both")
+        from lockstep.parallel.flex.buckets import parse_buckets
+
+        parse_buckets(self.flex_buckets, f"{path}.flex_buckets")
 
     def resolve(self, world_size: int) -> "ParallelDims":
         others = self.dp_replicate * self.tp * self.pp * self.cp

@@ -158,7 +158,12 @@ def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: Parall
     if dims.ep > 1 and experts_mesh is None:
         expert_params = set(expert_parameters(model))
     apply_activation_checkpointing(model, activation_checkpoint)
-    if dims.dp > 1:
+    if dims.dp > 1 and config.sharding == "flex":
+        from lockstep.parallel.flex import buckets_from_config, flex_shard
+
+        flex_shard(model, buckets_from_config(config, model), mesh, param_dtype=DTYPES[config.fsdp_param_dtype],
+                   reshard_after_forward=config.reshard_after_forward)
+    elif dims.dp > 1:
         apply_fsdp(model, list(model.layers.values()), dp_mesh(mesh, dims), config.fsdp_param_dtype,
                    config.reshard_after_forward, ignored_params=expert_params, experts_mesh=experts_mesh)
     return model
@@ -169,6 +174,9 @@ def _parallelize_traceable(model: nn.Module, dims: ParallelDims, mesh, config: P
     """Activation checkpointing, then traceable FSDP over the data-parallel mesh (if dp > 1)."""
     from lockstep.graph.simple_fsdp import simple_fsdp
 
+    if config.sharding == "flex":
+        raise ConfigError("parallel.sharding: flex is eager only; training.mode=graph shards by the traceable "
+                          "FSDP (use sharding='fsdp2')")
     for name in ("tp", "ep", "cp", "pp"):
         if getattr(dims, name) > 1:
             raise ConfigError(f"parallel.{name}: training.mode=graph (traceable FSDP) supports dp_shard and "
