@@ -173,7 +173,8 @@ class ChatBody(_Common):
             raise ApiError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         if self.continue_final_message:
             if self.add_generation_prompt:
-                raise ApiError(400, "continue_final_message: needs add_generation_prompt: false", "continue_final_message")
+                raise ApiError(400, "continue_final_message: needs add_generation_prompt: false",
+                               "continue_final_message")
             if self.messages[-1].role != "assistant":
                 raise ApiError(400, "continue_final_message: the last message must be the assistant's",
                                "continue_final_message")
@@ -198,7 +199,8 @@ def parse_body(cls: type[BaseModel], body: Any) -> Any:
         # a union's alternatives add their type name to loc ("prompt", "str"); keep the field path
         loc = [str(p) for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_NAMES))]
         field = _dotted(loc) or "request body"
-        raise ApiError(400, f"{field}: {first['msg']} (got {first.get('input')!r:.80})", field) from None
+        got = "" if first["type"] == "missing" else f" (got {first.get('input')!r:.80})"
+        raise ApiError(400, f"{field}: {first['msg']}{got}", field) from None
     parsed.check()
     return parsed
 

@@ -58,7 +58,8 @@ def test_completion_greedy_is_the_engine(client, reference):
     assert len(choice.logprobs.top_logprobs) == 12
     for top, lp in zip(choice.logprobs.top_logprobs, want.logprobs):
         assert max(top.values()) == lp  # greedy: the chosen token is the most likely one
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (len(ids), 12, len(ids) + 12)
+    usage = out.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(ids), 12, len(ids) + 12)
 
 
 def test_completion_from_token_ids(client, reference):
