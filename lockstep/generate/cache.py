@@ -4,7 +4,9 @@ Every layer owns one pool tensor per cached quantity, ``[num_blocks + 1, block_s
 
 * grouped-query attention: keys and values, ``[.., block_size, n_kv_heads, head_dim]`` each;
 * multi-head latent attention (DeepSeek-V3): one latent, ``[.., block_size, kv_lora_rank +
-  qk_rope_head_dim]`` (the normalised ``c_kv`` and the rotated shared ``k_pe``), never full K/V.
+  qk_rope_head_dim]`` (the normalised ``c_kv`` and the rotated shared ``k_pe``), never full K/V;
+  DeepSeek-V3.2's sparse indexer adds its keys beside it, ``[.., block_size, index_head_dim]``
+  (``LayerLayout.index_dim``; :meth:`LayerCache.gather_index_keys`).
 
 Block 0 is the *null block*: never handed out, it absorbs the writes of padding tokens and pads
 block tables; it is only ever read at masked positions. A sequence owns whole blocks (its block
@@ -38,7 +40,7 @@ from torch import nn
 
 from lockstep.models.common.attention import GroupedQueryAttention
 from lockstep.models.common.mla import MultiHeadLatentAttention
-from lockstep.ops.attention import get_cached_attention, paged_attention_kernels
+from lockstep.ops.attention import get_attention, get_cached_attention, paged_attention_kernels
 
 NULL_BLOCK = 0
 
@@ -57,9 +59,11 @@ class LayerLayout:
     value_dim: int
     #: sliding window of the layer ("kv"): it caches only its last ``window`` positions; 0 for all
     window: int = 0
+    #: width of the sparse indexer's cached key ("latent" with an indexer, DeepSeek-V3.2); 0: none
+    index_dim: int = 0
 
     def elements_per_token(self) -> int:
-        return self.heads * (self.key_dim + self.value_dim) if self.kind == "kv" else self.key_dim
+        return (self.heads * (self.key_dim + self.value_dim) if self.kind == "kv" else self.key_dim) + self.index_dim
 
 
 def layer_layouts(model: nn.Module) -> dict[str, LayerLayout]:
@@ -71,7 +75,9 @@ def layer_layouts(model: nn.Module) -> dict[str, LayerLayout]:
         if hasattr(attn, "recurrent_state_shapes"):  # linear attention: lockstep.generate.recurrent
             continue
         if isinstance(attn, MultiHeadLatentAttention):
-            layouts[name] = LayerLayout("latent", 1, attn.kv_lora_rank + attn.qk_rope_head_dim, attn.kv_lora_rank)
+            index_dim = attn.indexer.head_dim if getattr(attn, "indexer", None) is not None else 0
+            layouts[name] = LayerLayout("latent", 1, attn.kv_lora_rank + attn.qk_rope_head_dim, attn.kv_lora_rank,
+                                        index_dim=index_dim)
         elif isinstance(attn, GroupedQueryAttention):
             heads = attn.wk.out_features // attn.head_dim
             layouts[name] = LayerLayout("kv", heads, attn.head_dim, attn.head_dim, attn.window)
@@ -193,12 +199,29 @@ class LayerCache:
                   **sink_window)
 
     def attend_latent(self, q: torch.Tensor, latent: torch.Tensor, *, value_dim: int, backend: str,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, T, W], new latent [B, T, W] -> [B, H, T, value_dim] (one shared key/value head:
-        keys are the latents, values their first ``value_dim`` columns)."""
+        keys are the latents, values their first ``value_dim`` columns). ``mask`` [B, 1, T, S]: the
+        keys each query may see (DeepSeek-V3.2's indexer selection, within the query's positions),
+        run on the backend's full-sequence kernel with that mask."""
         ctx = self._store_and_gather(self.pools[0], latent).unsqueeze(1).to(q.dtype)  # [B, 1, S, W]
+        if mask is not None:
+            return get_attention(backend)(q, ctx, ctx[..., :value_dim], causal=False, mask=mask, scale=scale)
         fn = get_cached_attention(backend)
         return fn(q, ctx, ctx[..., :value_dim], q_positions=self.owner.meta.q_positions, scale=scale)
+
+
+    @property
+    def q_positions(self) -> torch.Tensor:
+        """[B, T] absolute position of every new token of the current step."""
+        return self.owner.meta.q_positions
+
+    def gather_index_keys(self, keys: torch.Tensor) -> torch.Tensor:
+        """Store the sparse indexer's new keys [B, T, index_dim]; return each context's [B, S, index_dim]
+        (the same block tables as the latent, so key s holds position s)."""
+        if not self.layout.index_dim:
+            raise ValueError("KV cache: this layer's layout caches no indexer keys (LayerLayout.index_dim = 0)")
+        return self._store_and_gather(self.pools[1], keys)
 
 
 class PagedKVCache:
@@ -233,6 +256,8 @@ class PagedKVCache:
                          torch.zeros(*shape, lay.heads, lay.value_dim, dtype=dtype, device=device))
             else:
                 pools = (torch.zeros(*shape, lay.key_dim, dtype=dtype, device=device),)
+            if lay.index_dim:  # DeepSeek-V3.2: the indexer's keys beside the latent
+                pools += (torch.zeros(*shape, lay.index_dim, dtype=dtype, device=device),)
             self._layers[name] = LayerCache(self, lay, pools)
 
     @staticmethod

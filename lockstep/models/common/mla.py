@@ -24,6 +24,11 @@ as the full path up to float summation order.
 
 The rope tables passed in must be built for ``qk_rope_head_dim`` (the DeepSeek family's
 ``TransformerConfig`` does this by reporting ``qk_rope_head_dim`` as its head size).
+
+DeepSeek-V3.2 (``indexer`` set): a :class:`~lockstep.models.common.sparse_indexer.SparseIndexer`
+picks each query's top-k keys from the query latent and the hidden states, and the attention runs
+over those keys only (an explicit mask on the backend's full-sequence kernel; the latent path of
+generation passes it to ``attend_latent``, with the indexer's keys cached beside the latent).
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ from lockstep.config.base import require, require_choice, require_positive
 from lockstep.models.common.attention import AttentionConfig
 from lockstep.models.common.norm import RMSNorm
 from lockstep.models.common.rope import apply_rotary
-from lockstep.ops.attention import AttentionLayer, attention_backends
+from lockstep.models.common.sparse_indexer import SparseIndexerConfig, causal_allowed
+from lockstep.ops.attention import AttentionLayer, attention_backends, get_attention, position_mask
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -68,6 +74,8 @@ class MLAConfig(AttentionConfig):
     softmax_mscale: float = 0.0
     #: epsilon of the q and kv latent RMSNorms (DeepSeek uses 1e-6 whatever the model's norm_eps)
     latent_norm_eps: float = 1e-6
+    #: DeepSeek-V3.2's sparse-attention indexer (top-k keys per query); None: dense MLA
+    indexer: SparseIndexerConfig | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -85,6 +93,11 @@ class MLAConfig(AttentionConfig):
                 f"must be even, got {self.qk_rope_head_dim}")
         require(self.softmax_mscale >= 0, f"{path}.softmax_mscale",
                 f"must be >= 0 (0 = from rope), got {self.softmax_mscale}")
+        if self.indexer is not None:
+            require(self.q_lora_rank > 0, f"{path}.q_lora_rank", "must be > 0 with an indexer (it reads the q latent)")
+            require(self.indexer.head_dim >= self.qk_rope_head_dim, f"{path}.indexer.head_dim",
+                    f"must be >= qk_rope_head_dim={self.qk_rope_head_dim}, got {self.indexer.head_dim}")
+            self.indexer.validate(f"{path}.indexer")
 
     def build(
         self, *, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, norm_eps: float
@@ -127,11 +140,14 @@ class MultiHeadLatentAttention(AttentionLayer):
         self.kv_norm = RMSNorm(self.kv_lora_rank, config.latent_norm_eps)
         self.wkv_b = nn.Linear(self.kv_lora_rank, n_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.wo = nn.Linear(n_heads * self.v_head_dim, dim, bias=bias)
+        self.indexer = (config.indexer.build(dim=dim, q_lora_rank=self.q_lora_rank, rope_dim=self.qk_rope_head_dim)
+                        if config.indexer is not None else None)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: Any = None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]; ``cache``: a latent layer cache (``attend_latent``), see the module doc."""
         bsz, seq, _ = x.shape
-        q = self.wq_b(self.q_norm(self.wq_a(x))) if self.q_lora_rank else self.wq(x)
+        q_latent = self.q_norm(self.wq_a(x)) if self.q_lora_rank else None
+        q = self.wq_b(q_latent) if self.q_lora_rank else self.wq(x)
         # -1 heads: under tensor parallelism (wq / wq_b and wkv_b column-wise, wo row-wise) each rank
         # holds a slice of the heads; the latent projections wq_a / wkv_a stay replicated.
         q = q.view(bsz, seq, -1, self.qk_head_dim).transpose(1, 2)
@@ -143,23 +159,57 @@ class MultiHeadLatentAttention(AttentionLayer):
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         cos, sin = rope
         q_pe, k_pe = apply_rotary(q_pe, cos, sin), apply_rotary(k_pe, cos, sin)
+        selection = self._index(x, q_latent, rope, cache) if self.indexer is not None else None
         # batch-invariant mode attends over the absorbed latent also without a cache, so the trainer
         # computes exactly what the engine's cache path computes
         if cache is not None or numerics.is_batch_invariant():
-            return self._forward_absorbed(q_nope, q_pe, c_kv, k_pe, cache)
+            keep = selection[0] if selection is not None and self.indexer.sparse else None
+            return self._forward_absorbed(q_nope, q_pe, c_kv, k_pe, cache, keep)
 
         kv = self.wkv_b(self.kv_norm(c_kv)).view(bsz, seq, -1, self.qk_nope_head_dim + self.v_head_dim)
         k_nope, v = torch.split(kv.transpose(1, 2), [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
 
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        out = self.full_attention(q, k, v, causal=True, scale=self.scale)  # [B, H, T, v_head_dim]
+        if selection is None:
+            out = self.full_attention(q, k, v, causal=True, scale=self.scale)  # [B, H, T, v_head_dim]
+        else:
+            out = self._indexed_attention(q, k, v, *selection)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
+    def _index(self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+               cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The indexer's ``(keep [B, 1, T, S], scores [B, T, S])`` over this call's tokens, or over the
+        cache's context (its keys stored and gathered beside the latent)."""
+        if numerics.is_batch_invariant():
+            raise NotImplementedError(
+                "batch-invariant mode does not cover DeepSeek-V3.2 sparse attention (op 'sparse_indexer.topk_mask': "
+                "the indexer's top-k selection feeding a masked MLA attention, which the batch_invariant kernel "
+                "cannot take); see docs/numerics.md")
+        if cache is None:
+            return self.indexer(x, q_latent, rope, causal_allowed(x.shape[1], x.device))
+        keys = cache.gather_index_keys(self.indexer.keys(x, rope))
+        return self.indexer(x, q_latent, rope, position_mask(cache.q_positions, keys.shape[1]), keys=keys)
+
+    def _indexed_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor,
+                           scores: torch.Tensor) -> torch.Tensor:
+        """Attention over the indexer's keys (``stage="sparse"``) or all causal keys (dense warm-up);
+        records the indexer's loss in training."""
+        seen = keep if self.indexer.sparse else causal_allowed(q.shape[2], q.device)
+        if self.indexer.records_loss:
+            self.indexer.record_loss(scores, q, k, self.scale, seen)
+        if not self.indexer.sparse:
+            return self.full_attention(q, k, v, causal=True, scale=self.scale)
+        if self.attention_wrapper is not None:
+            raise NotImplementedError("DeepSeek-V3.2 sparse attention under an attention wrapper (context "
+                                      "parallelism): the indexer's top-k mask needs every key; not supported")
+        return get_attention(self.active_backend)(q, k, v, causal=False, mask=keep, scale=self.scale)
+
     def _forward_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                          cache: Any) -> torch.Tensor:
+                          cache: Any, keep: torch.Tensor | None = None) -> torch.Tensor:
         """Attention over the latent with ``wkv_b`` absorbed (module docstring): over the cache's
-        context, or (``cache is None``) causally over this call's own tokens."""
+        context (``keep``: the indexer's selection over it), or (``cache is None``) causally over
+        this call's own tokens."""
         bsz, _, seq, _ = q_nope.shape
         latent = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(1)], dim=-1)  # [B, T, kv_lora_rank + rope]
         w = self.wkv_b.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
@@ -168,6 +218,9 @@ class MultiHeadLatentAttention(AttentionLayer):
         if cache is None:
             kv = latent[:, None]  # one key/value head shared by every query head
             out = self.full_attention(q, kv, kv[..., : self.kv_lora_rank], causal=True, scale=self.scale)
+        elif keep is not None:
+            out = cache.attend_latent(q, latent, value_dim=self.kv_lora_rank, backend=self.active_backend,
+                                      scale=self.scale, mask=keep)
         else:
             out = cache.attend_latent(q, latent, value_dim=self.kv_lora_rank, backend=self.active_backend,
                                       scale=self.scale)  # [B, H, T, kv_lora_rank]
