@@ -1,0 +1,270 @@
+"""``VllmEngine``: lockstep's generation API (``Request`` / ``SamplingParams`` in, ``StreamEvent`` /
+``GenerationResult`` out) over a vLLM engine running the lockstep model (:mod:`lockstep.vllm.model`).
+
+It takes what lockstep's :class:`~lockstep.generate.Engine` takes (a lockstep ``Transformer``, a
+tokenizer, an :class:`~lockstep.generate.EngineConfig`) and answers the same calls: ``add_request``,
+``step``, ``abort``, ``has_unfinished``, ``stream``, ``generate``. vLLM runs in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor) and never sees a tokenizer: prompts go
+in as token ids, text and stop strings are lockstep's (:class:`~lockstep.generate.output.TextTracker`).
+
+Weights: vLLM starts on placeholder weights and :meth:`VllmEngine.load_weights` copies the model's
+tensors into vLLM's copy in place (no restart); RL generators call it for every new version.
+
+What maps and what does not (docs/generation.md, "vLLM"): ``max_batch_size`` -> vLLM's
+``max_num_seqs``, ``max_prefill_tokens`` -> ``max_num_batched_tokens``, ``cache_memory_mb`` -> its
+KV cache bytes, ``weights_dtype`` -> its dtype; the lockstep kernel options (packing, compiled
+decode, paged_attention, batch_invariant) have no vLLM counterpart and are ignored. Log-probabilities
+are vLLM's ``processed_logprobs``: ``log_softmax(logits / T)`` as lockstep's, except that vLLM
+renormalises over what top-k/top-p keep where lockstep does not. Seeded sampling is reproducible
+within vLLM but draws other tokens than lockstep's engine for the same seed; greedy is the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lockstep.config.base import ConfigError
+from lockstep.generate.config import EngineConfig, Request, SamplingParams
+from lockstep.generate.engine import tokenizer_eos_id
+from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
+from lockstep.models.hf.io import resolve_dtype
+from lockstep.vllm import configure_environment, register
+from lockstep.vllm.model import check_supported
+from lockstep.vllm.model_dir import write_model_dir
+
+_instances = itertools.count()
+
+
+@dataclasses.dataclass
+class _Sequence:
+    """The lockstep side of one vLLM request."""
+
+    seq_id: int
+    request: Request
+    prompt: list[int]
+    text: TextTracker
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(self.request.request_id, self.prompt, list(self.token_ids), list(self.logprobs),
+                                self.text.text, self.finish_reason or "abort")
+
+
+class VllmEngine:
+    """lockstep's Engine API over vLLM running the lockstep model (module docstring)."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        config.validate()
+        if not hasattr(model, "trunk") or not hasattr(model, "layers"):
+            raise TypeError(f"VllmEngine needs a lockstep Transformer (with trunk() and layers), "
+                            f"got {type(model).__name__}")
+        check_supported(model)  # before starting vLLM: a clear error naming the family
+        self.model, self.tokenizer = model, tokenizer
+        weights_dtype = resolve_dtype(None if config.weights_dtype == "model" else config.weights_dtype)
+        self.dtype = weights_dtype or model.tok_embeddings.weight.dtype
+        self.vocab_size, self.max_seq_len = model.config.vocab_size, model.config.max_seq_len
+        self.eos_id = tokenizer_eos_id(tokenizer) if tokenizer is not None else None
+        self._dir = tempfile.TemporaryDirectory(prefix="lockstep-vllm-")
+        write_model_dir(model.config, self.dtype, self._dir.name)
+        started = time.perf_counter()
+        self.llm = _start_llm(self._dir.name, self.dtype, config, self.max_seq_len)
+        self.engine = self.llm.llm_engine
+        #: seconds vLLM took to start (before the first weights were loaded)
+        self.start_s = time.perf_counter() - started
+        self._instance = next(_instances)
+        self._next_id = 0
+        self._live: dict[str, _Sequence] = {}
+        #: per load_weights call: {"seconds", "bytes"} of the last one
+        self.last_sync: dict[str, float] = {}
+        self.load_weights()
+
+    # ----------------------------------------------------------------- weights
+
+    @torch.no_grad()
+    def load_weights(self, state: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+        """Copy ``state`` (default: the model's ``state_dict()``) into vLLM's model in place; returns and
+        keeps in ``last_sync`` the seconds and bytes it took. Requests already running continue on
+        the new weights from their next step."""
+        state = self.model.state_dict() if state is None else state
+        started = time.perf_counter()
+        items = [(name, t.detach()) for name, t in state.items()]
+        self.llm.apply_model(lambda vllm_model: vllm_model.load_weights(items))
+        nbytes = sum(t.numel() * t.element_size() for _, t in items)
+        self.last_sync = {"seconds": time.perf_counter() - started, "bytes": float(nbytes)}
+        return self.last_sync
+
+    def sync_weights(self) -> None:
+        """lockstep Engine's name for "re-read the model's weights": :meth:`load_weights`."""
+        self.load_weights()
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(self, request: Request) -> int:
+        """Queue a request (validated now); returns its sequence id."""
+        from vllm.inputs import TokensPrompt
+
+        seq, params = self._make_sequence(request, self._next_id)
+        self._next_id += 1
+        self.engine.add_request(self._key(seq.seq_id), TokensPrompt(prompt_token_ids=seq.prompt), params)
+        self._live[self._key(seq.seq_id)] = seq
+        return seq.seq_id
+
+    def abort(self, seq_id: int) -> GenerationResult | None:
+        """Stop a queued or running sequence now; its partial result (or None)."""
+        seq = self._live.pop(self._key(seq_id), None)
+        if seq is None:
+            return None
+        self.engine.abort_request([self._key(seq_id)])
+        seq.finish_reason = seq.finish_reason or "abort"
+        return seq.result()
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def _key(self, seq_id: int) -> str:
+        return f"lockstep-{self._instance}-{seq_id}"
+
+    def _make_sequence(self, request: Request, seq_id: int) -> tuple[_Sequence, Any]:
+        from vllm import SamplingParams as VllmSamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if not isinstance(request, Request):
+            raise TypeError(f"expected a lockstep.generate.Request, got {type(request).__name__}")
+        sp = request.sampling
+        if not isinstance(sp, SamplingParams):
+            raise ConfigError(f"Request.sampling: must be a SamplingParams, got {type(sp).__name__}")
+        sp.validate("sampling")
+        prompt = self._prompt_ids(request)
+        n = len(prompt)
+        if n >= self.max_seq_len:
+            raise ConfigError(f"Request.prompt_ids: the prompt has {n} tokens; vLLM needs it shorter than the "
+                              f"model's context (model.max_seq_len={self.max_seq_len})")
+        if sp.stop and self.tokenizer is None:
+            raise ConfigError("sampling.stop: stop strings need an engine with a tokenizer")
+        bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ConfigError(f"sampling.stop_token_ids: {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        stop_ids = set(sp.stop_token_ids)
+        if self.eos_id is not None and not sp.ignore_eos:
+            stop_ids.add(self.eos_id)
+        params = VllmSamplingParams(
+            temperature=sp.temperature, top_k=sp.top_k if sp.top_k > 0 else 0, top_p=sp.top_p, seed=sp.seed,
+            max_tokens=min(sp.max_new_tokens, self.max_seq_len - n), stop_token_ids=sorted(stop_ids),
+            ignore_eos=True, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
+        return _Sequence(seq_id, request, prompt, TextTracker(self.tokenizer, sp.stop)), params
+
+    def _prompt_ids(self, request: Request) -> list[int]:
+        if request.prompt_ids is not None and request.prompt is not None:
+            raise ConfigError("Request: give prompt_ids or prompt, not both")
+        if request.prompt_ids is None:
+            if request.prompt is None:
+                raise ConfigError("Request.prompt_ids: no prompt given (prompt_ids or prompt)")
+            if self.tokenizer is None:
+                raise ConfigError("Request.prompt: a text prompt needs an engine with a tokenizer; give prompt_ids")
+            ids = list(self.tokenizer.encode(request.prompt))
+        else:
+            ids = [int(t) for t in request.prompt_ids]
+        if not ids:
+            raise ConfigError("Request.prompt_ids: the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfigError(f"Request.prompt_ids: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    # ----------------------------------------------------------------- driving
+
+    def step(self) -> list[StreamEvent]:
+        """One vLLM engine step (its scheduler admits, prefills and decodes); an event per new token."""
+        events: list[StreamEvent] = []
+        for output in self.engine.step():
+            seq = self._live.get(output.request_id)
+            if seq is None:
+                continue  # aborted meanwhile
+            completion = output.outputs[0]
+            new_ids = list(completion.token_ids)
+            for i, token in enumerate(new_ids):
+                logprob = completion.logprobs[i][token].logprob if completion.logprobs else float("nan")
+                seq.token_ids.append(token)
+                seq.logprobs.append(logprob)
+                stop_string = seq.text.push(token)
+                last = i == len(new_ids) - 1
+                finished = stop_string or (last and output.finished)
+                if finished:
+                    seq.finish_reason = "stop" if stop_string else _finish_reason(completion.finish_reason)
+                event = StreamEvent(seq.seq_id, seq.seq_id, seq.request.request_id, token, logprob,
+                                    seq.text.delta(final=finished), finished, seq.finish_reason)
+                if finished:
+                    event.result = seq.result()
+                    del self._live[output.request_id]
+                    if stop_string and not output.finished:
+                        self.engine.abort_request([output.request_id])
+                events.append(event)
+                if finished:
+                    break
+        return events
+
+    def stream(self, requests: Iterable[Request]) -> Iterator[StreamEvent]:
+        """Tokens of ``requests`` as they are generated (``event.index`` = position in ``requests``);
+        leaving early aborts the requests still running."""
+        requests = list(requests)
+        for r in requests:  # validate all before queueing any, as lockstep's Engine does
+            self._make_sequence(r, -1)
+        ids = [self.add_request(r) for r in requests]
+        index = {seq_id: i for i, seq_id in enumerate(ids)}
+        pending = set(ids)
+        try:
+            while pending:
+                for event in self.step():
+                    if event.seq_id in index:
+                        event.index = index[event.seq_id]
+                        if event.finished:
+                            pending.discard(event.seq_id)
+                        yield event
+        finally:
+            for seq_id in pending:
+                self.abort(seq_id)
+
+    def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
+        """Run ``requests`` to completion; one result per request, in order."""
+        requests = list(requests)
+        results: list[GenerationResult | None] = [None] * len(requests)
+        for event in self.stream(requests):
+            if event.finished:
+                results[event.index] = event.result
+        return results  # type: ignore[return-value]
+
+
+def _finish_reason(vllm_reason: str | None) -> str:
+    return {"stop": "stop", "length": "length", "abort": "abort"}.get(vllm_reason or "", "length")
+
+
+def _start_llm(path: str, dtype: torch.dtype, config: EngineConfig, max_seq_len: int) -> Any:
+    """vLLM's ``LLM`` on the model directory, in this process. vLLM pins torch's intra-op threads to one
+    and replaces ``torch.set_num_threads`` for the process while it starts; both are put back."""
+    configure_environment()
+    register()
+    from vllm import LLM
+
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        return LLM(model=path, dtype=str(dtype).removeprefix("torch."), distributed_executor_backend="uni",
+                   load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
+                   max_num_seqs=config.max_batch_size,
+                   max_num_batched_tokens=max(config.max_prefill_tokens, config.max_batch_size),
+                   max_model_len=max_seq_len, kv_cache_memory_bytes=int(config.cache_memory_mb * 2**20),
+                   logprobs_mode="processed_logprobs", seed=0)
+    finally:
+        torch.set_num_threads = set_threads
+        torch.set_num_threads(threads)
