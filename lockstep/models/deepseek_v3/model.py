@@ -30,6 +30,7 @@ post-norm input follow the DeepSeek checkpoint as transformers' ``MtpLayer`` and
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -180,9 +181,11 @@ class MTPLayer(nn.Module):
         self.block = TransformerBlock(config, slots, f"{prefix}.block")
         self.norm = slots[f"{prefix}.norm"].build(dim=dim, eps=eps)
 
-    def forward(self, emb: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, emb: torch.Tensor, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                cache: Any = None) -> torch.Tensor:
+        """``cache``: this depth's layer cache when the engine drafts with it (lockstep.generate.speculative)."""
         x = self.proj(torch.cat([self.enorm(emb), self.hnorm(h)], dim=-1))
-        return self.norm(self.block(x, rope))
+        return self.norm(self.block(x, rope, cache=cache))
 
 
 class DeepSeekV3Transformer(Transformer):
