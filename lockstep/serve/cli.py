@@ -78,13 +78,13 @@ def vllm_factory() -> Any:
     """What builds a vLLM engine: ``lockstep.vllm.build_engine`` or ``lockstep.vllm.VllmEngine``."""
     try:
         module = importlib.import_module("lockstep.vllm")
+        factory = getattr(module, "build_engine", None) or getattr(module, "VllmEngine", None)
     except ModuleNotFoundError as err:
         if err.name and err.name.startswith("lockstep.vllm"):
             raise ConfigError("--engine vllm: the vLLM engine (lockstep.vllm) is not part of this installation; "
                               "use --engine lockstep") from None
-        raise ConfigError(f"--engine vllm: lockstep.vllm needs {err.name!r}, which is not installed "
-                          f"(install the vllm extra)") from None
-    factory = getattr(module, "build_engine", None) or getattr(module, "VllmEngine", None)
+        raise ConfigError(f"--engine vllm: lockstep.vllm needs the {err.name!r} package, which is not installed "
+                          f"(install vllm; see docs/generation.md)") from None
     if factory is None:
         raise ConfigError("--engine vllm: lockstep.vllm has no build_engine() or VllmEngine to serve with")
     return factory
