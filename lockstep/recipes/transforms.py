@@ -114,5 +114,5 @@ def _optimizer(cfg: TrainerConfig, arg: str | None) -> TrainerConfig:
     if arg == "adamw":  # Muon's own fields back to their defaults, so the config reads as plain AdamW
         base = OptimizerConfig()
         opt = dataclasses.replace(opt, momentum=base.momentum, nesterov=base.nesterov, ns_steps=base.ns_steps,
-                                  ns_dtype=base.ns_dtype, adamw_params=[])
+                                  ns_dtype=base.ns_dtype, adamw_params=[], muon_per_head=[])
     return dataclasses.replace(cfg, optimizer=dataclasses.replace(opt, name=arg))

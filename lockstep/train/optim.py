@@ -43,6 +43,9 @@ class OptimizerConfig(Config):
     ns_dtype: str = "float32"
     #: muon only: globs over parameter FQNs also left to AdamW (beside embeddings, the head, 1-D params)
     adamw_params: list[str] = dataclasses.field(default_factory=list)
+    #: muon only: globs over parameter FQNs orthogonalised per head (each head_dim-row block its own
+    #: Newton-Schulz, e.g. "layers.*.attention.wq.weight"); empty: whole matrices
+    muon_per_head: list[str] = dataclasses.field(default_factory=list)
 
     def validate(self, path: str = "optimizer") -> None:
         require_choice(self.name, ["adamw", "muon"], f"{path}.name")
@@ -55,6 +58,8 @@ class OptimizerConfig(Config):
         require(self.ns_steps >= 1, f"{path}.ns_steps", f"must be >= 1, got {self.ns_steps}")
         require_choice(self.ns_dtype, ["float32", "bfloat16"], f"{path}.ns_dtype")
         require(self.name == "muon" or not self.adamw_params, f"{path}.adamw_params",
+                f"only applies to name='muon', got name={self.name!r}")
+        require(self.name == "muon" or not self.muon_per_head, f"{path}.muon_per_head",
                 f"only applies to name='muon', got name={self.name!r}")
 
     def build(self, model: nn.Module) -> torch.optim.Optimizer:

@@ -46,37 +46,44 @@ def test_newton_schulz_singular_values_near_one(shape, dtype):
     assert (cos > 0.97).all(), cos
 
 
-def _reference_muon(w, grads, *, lr, wd, mu):
-    """A plain re-statement of the Muon rule (Nesterov, NS-5 in fp32, 0.2 * sqrt(max dim) scaling).
+def _reference_ns(m):
+    """NS-5 in fp32 of one 2-D matrix."""
+    x = m.mT if m.shape[-2] > m.shape[-1] else m
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
+    for _ in range(5):
+        a = x @ x.mT
+        x = 3.4445 * x + (-4.7750 * a + 2.0315 * (a @ a)) @ x
+    return x.mT if m.shape[-2] > m.shape[-1] else x
+
+
+def _reference_muon(w, grads, *, lr, wd, mu, head_dim=None):
+    """A plain re-statement of the Muon rule (Nesterov, NS-5 in fp32, 0.2 * sqrt(max dim) scaling),
+    one 2-D unit at a time (a stack's matrices, or with ``head_dim`` each head's row block).
     ``torch.add(..., alpha=)`` where the optimizer uses it: the alpha form rounds once (a fused
     multiply-add on CPU), ``a + s * b`` twice, so only the same form can be bitwise equal."""
     w, buf = w.clone(), torch.zeros_like(w)
+    rows = head_dim or w.shape[-2]
     for g in grads:
         buf = buf * mu + g
         m = torch.add(g, buf, alpha=mu)
-        x = m.mT if m.shape[-2] > m.shape[-1] else m
-        x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)
-        for _ in range(5):
-            a = x @ x.mT
-            x = 3.4445 * x + (-4.7750 * a + 2.0315 * (a @ a)) @ x
-        o = x.mT if m.shape[-2] > m.shape[-1] else x
+        o = torch.stack([_reference_ns(u) for u in m.reshape(-1, rows, w.shape[-1])]).reshape(w.shape)
         w = w * (1 - lr * wd)
-        w = torch.add(w, o, alpha=-lr * 0.2 * math.sqrt(max(w.shape[-2:])))
+        w = torch.add(w, o, alpha=-lr * 0.2 * math.sqrt(max(rows, w.shape[-1])))
     return w
 
 
-@pytest.mark.parametrize("shape", [(6, 4), (3, 5, 7)])
-def test_muon_step_matches_reference(shape):
+@pytest.mark.parametrize("shape,head_dim", [((6, 4), None), ((3, 5, 7), None), ((12, 5), 4), ((2, 8, 3), 2)])
+def test_muon_step_matches_reference(shape, head_dim):
     torch.manual_seed(1)
     w0 = torch.randn(shape)
     grads = [torch.randn(shape) for _ in range(3)]
     p = nn.Parameter(w0.clone())
-    opt = Muon([{"params": [p], "use_muon": True, "weight_decay": 0.1}], lr=0.02, betas=(0.9, 0.95), eps=1e-8,
-               momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32)
+    opt = Muon([{"params": [p], "use_muon": True, "weight_decay": 0.1, "head_dim": head_dim}], lr=0.02,
+               betas=(0.9, 0.95), eps=1e-8, momentum=0.95, nesterov=True, ns_steps=5, ns_dtype=torch.float32)
     for g in grads:
         p.grad = g.clone()
         opt.step()
-    assert torch.equal(p.detach(), _reference_muon(w0, grads, lr=0.02, wd=0.1, mu=0.95))
+    assert torch.equal(p.detach(), _reference_muon(w0, grads, lr=0.02, wd=0.1, mu=0.95, head_dim=head_dim))
 
 
 def test_adamw_part_equals_adamw():
