@@ -153,13 +153,16 @@ class Transformer(nn.Module):
         if self.config.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None,
+              visual: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions, token embeddings, final-normed hidden states): everything but the head.
 
         Families that add heads (DeepSeek-V3's MTP) build on this instead of copying the loop.
         ``cache`` (generation, :mod:`lockstep.generate`): ``tokens [B, T]`` are each sequence's new
         tokens at ``positions [B, T]``, and ``cache.layer(name)`` is handed to block ``name``.
+        ``visual`` (vision-language families, :class:`lockstep.models.common.vision.VisualInputs`):
+        ``visual.merge`` places image embeddings among the token embeddings and ``visual.after_block(i, h)``
+        adds DeepStack features after block ``i``; mRoPE ``positions`` may then be ``[3, B, T]``.
         """
         if positions is None:  # 0..T-1: the tables' first rows (no bound check reading a tensor)
             positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
@@ -167,13 +170,13 @@ class Transformer(nn.Module):
         else:
             rope = self.rope(positions)
         embeddings = self.tok_embeddings(tokens)
+        if visual is not None:
+            embeddings = visual.merge(embeddings)
         h = embeddings
-        if cache is None:
-            for layer in self.layers.values():
-                h = layer(h, rope)
-        else:
-            for name, layer in self.layers.items():
-                h = layer(h, rope, cache=cache.layer(name))
+        for i, (name, layer) in enumerate(self.layers.items()):
+            h = layer(h, rope) if cache is None else layer(h, rope, cache=cache.layer(name))
+            if visual is not None:
+                h = visual.after_block(i, h)
         return positions, embeddings, self.norm(h)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:

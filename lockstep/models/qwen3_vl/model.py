@@ -1,0 +1,45 @@
+"""The Qwen3-VL model: the shared decoder (:class:`Transformer`) plus a vision tower.
+
+``forward(tokens, positions=None, pixel_values=None, grid_thw=None)``: without images it is the text
+decoder (mRoPE of text positions is plain RoPE). With images, ``tokens`` hold ``t*h*w/merge**2``
+image placeholders per image (``config.image_token_id``, images in order over the batch), the tower
+encodes ``pixel_values`` (:mod:`lockstep.data.images`), and the decoder takes the merged embeddings,
+the DeepStack features and the ``[3, B, T]`` mRoPE positions from outside through
+``Transformer.trunk(visual=...)``: the block code is the text model's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep.models.common.mrope import mrope_positions
+from lockstep.models.common.transformer import Transformer
+from lockstep.models.common.vision import VisualInputs
+
+
+class Qwen3VLModel(Transformer):
+    """Tokens (+ images) -> logits; ``visual`` is the vision tower (HF ``model.visual``)."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.visual = config.vision.build(out_dim=config.dim)
+
+    def visual_inputs(self, tokens: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisualInputs:
+        """Encode the images once; what ``trunk(visual=...)`` takes (also for a generation prefill)."""
+        features = self.visual(pixel_values, grid_thw)
+        return VisualInputs(tokens == self.config.image_token_id, features)
+
+    def image_positions(self, tokens: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([3, B, T] mRoPE positions, [B] decode deltas)`` of ``tokens`` holding the images of ``grid_thw``."""
+        return mrope_positions(tokens, grid_thw, self.config.image_token_id, self.config.vision.spatial_merge_size)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                pixel_values: torch.Tensor | None = None, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        if (pixel_values is None) != (grid_thw is None):
+            raise ValueError("pixel_values and grid_thw go together (both or neither)")
+        visual = None
+        if pixel_values is not None:
+            visual = self.visual_inputs(tokens, pixel_values, grid_thw)
+            if positions is None:
+                positions = self.image_positions(tokens, grid_thw)[0]
+        return self.output(self.trunk(tokens, positions, visual=visual)[2])

@@ -1,0 +1,190 @@
+"""Qwen3-VL (dense and MoE) against transformers' Qwen3VL[Moe]ForConditionalGeneration at tiny random shapes:
+text-only logits, logits with images of different sizes (one and two per row), gradients, mRoPE positions,
+the vision tower's features, and load -> save -> load bitwise. No downloads."""
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from qwen3_vl_reference import END, IMAGE, MERGE, hf_qwen3_vl, image_inputs  # noqa: E402
+
+from lockstep.config.base import ConfigError  # noqa: E402
+from lockstep.models.common.mrope import mrope_positions  # noqa: E402
+from lockstep.models.common.moe import MoE  # noqa: E402
+from lockstep.models.hf import load_hf, save_hf  # noqa: E402
+from lockstep.models.registry import get_model_spec  # noqa: E402
+
+# fp32 on both sides; the models differ in summation order only (attention kernel, patch embedding as a
+# matmul instead of a Conv3d, expert accumulation): ~1e-6 on these logits. Routing is discrete, so
+# initializer_range is 0.1 to keep top-k margins far above that.
+LOGITS_ATOL = 1e-4
+# Gradients: the same sums, accumulated through backward; relative to each tensor's largest entry.
+GRAD_RTOL = 1e-4
+
+# (grids, images per row): two images of different sizes, one per row; then both in one row
+LAYOUTS = {
+    "one_per_row": ([(1, 4, 6), (1, 6, 4)], [[0], [1]]),
+    "two_in_a_row": ([(1, 4, 4), (1, 2, 8)], [[0, 1], []]),
+}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["dense", "moe"])
+def pair(request, tmp_path_factory):
+    """(transformers model, lockstep model loaded from its save_pretrained directory, that directory)."""
+    hf = hf_qwen3_vl(moe=request.param)
+    path = tmp_path_factory.mktemp("hf")
+    hf.save_pretrained(path)
+    model = load_hf(path, dtype=torch.float32, allow_unverified=True).eval()
+    return hf, model, path
+
+
+def hf_logits(hf, tokens, pixels=None, grid=None):
+    kwargs = {}
+    if pixels is not None:
+        kwargs = dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(tokens == IMAGE).int())
+    hf.model.rope_deltas = None  # transformers caches rope deltas between calls
+    return hf(input_ids=tokens, **kwargs).logits
+
+
+def test_config_and_layers(pair):
+    hf, model, _ = pair
+    moe = "Moe" in type(hf).__name__
+    assert model.config.family == "qwen3_vl"
+    assert all(isinstance(layer.feed_forward, MoE) == moe for layer in model.layers.values())
+    assert model.config.vision.deepstack_layers == [0, 2]
+    assert model.config.rope.mrope_section == [2, 3, 3]
+
+
+def test_text_only_logits(pair):
+    hf, model, _ = pair
+    tokens = torch.randint(0, 240, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (model(tokens) - hf_logits(hf, tokens)).abs().max().item()
+    print(f"text-only max |logits diff| = {diff:.3g}")
+    assert diff <= LOGITS_ATOL
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_image_logits(pair, layout):
+    hf, model, _ = pair
+    grids, rows = LAYOUTS[layout]
+    tokens, pixels, grid = image_inputs(grids, rows, seed=5)
+    with torch.no_grad():
+        ref = hf_logits(hf, tokens, pixels, grid)
+        out = model(tokens, pixel_values=pixels, grid_thw=grid)
+        text_only = model(tokens)
+    diff = (out - ref).abs().max().item()
+    print(f"{layout}: max |logits diff| = {diff:.3g}")
+    assert diff <= LOGITS_ATOL
+    # the images matter: without them the logits are far off (the test could fail)
+    assert (text_only - ref).abs().max().item() > 100 * LOGITS_ATOL
+
+
+def test_vision_features_match(pair):
+    hf, model, _ = pair
+    tokens, pixels, grid = image_inputs(*LAYOUTS["one_per_row"], seed=6)
+    with torch.no_grad():
+        ref = hf.model.visual(pixels, grid_thw=grid, return_dict=True)
+        out = model.visual(pixels, grid)
+    assert (out.embeds - ref.pooler_output).abs().max().item() <= LOGITS_ATOL
+    assert len(out.deepstack) == len(ref.deepstack_features) == 2
+    for mine, theirs in zip(out.deepstack, ref.deepstack_features):
+        assert (mine - theirs).abs().max().item() <= LOGITS_ATOL
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_mrope_positions_equal_get_rope_index(pair, layout):
+    hf, _, _ = pair
+    tokens, _, grid = image_inputs(*LAYOUTS[layout], seed=7)
+    ref, ref_deltas = hf.model.get_rope_index(tokens, (tokens == IMAGE).int(), image_grid_thw=grid)
+    positions, deltas = mrope_positions(tokens, grid, IMAGE, MERGE)
+    assert torch.equal(positions, ref)
+    assert torch.equal(deltas, ref_deltas.view(-1))
+
+
+def test_gradients_match(pair):
+    hf, model, _ = pair
+    tokens, pixels, grid = image_inputs(*LAYOUTS["one_per_row"], seed=8)
+    targets = torch.roll(tokens, -1, dims=1)
+    hf.train(), model.train()
+    try:
+        hf.zero_grad(), model.zero_grad()
+        ref = torch.nn.functional.cross_entropy(hf_logits(hf, tokens, pixels, grid).flatten(0, 1), targets.flatten())
+        out = torch.nn.functional.cross_entropy(model(tokens, pixel_values=pixels, grid_thw=grid).flatten(0, 1),
+                                                targets.flatten())
+        ref.backward(), out.backward()
+    finally:
+        hf.eval(), model.eval()
+    assert abs(ref.item() - out.item()) <= LOGITS_ATOL
+    adapter = get_model_spec("qwen3_vl").hf_adapter
+    grads = adapter.state_to_hf({n: p.grad for n, p in model.named_parameters()}, model.config)
+    hf_grads = {n: p.grad for n, p in hf.named_parameters()}
+    assert set(grads) == set(hf_grads)
+    worst = 0.0
+    for name, ref_grad in hf_grads.items():
+        scale = ref_grad.abs().max().item()
+        if scale == 0.0:  # e.g. an expert no token chose: both sides must agree it is zero
+            assert grads[name].abs().max().item() == 0.0, name
+            continue
+        rel = (grads[name] - ref_grad).abs().max().item() / scale
+        worst = max(worst, rel)
+        assert rel <= GRAD_RTOL, (name, rel)
+    print(f"gradients: worst relative diff {worst:.3g} over {len(hf_grads)} tensors")
+
+
+def test_load_save_load_bitwise(pair, tmp_path):
+    _, model, source = pair
+    save_hf(model, tmp_path)
+    again = load_hf(tmp_path, dtype=torch.float32)
+    first, second = model.state_dict(), again.state_dict()
+    assert set(first) == set(second)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    # and the saved file holds transformers' names and shapes exactly
+    written = json.loads((tmp_path / "config.json").read_text())
+    original = json.loads((source / "config.json").read_text())
+    assert written["model_type"] == original["model_type"]
+    assert written["vision_config"]["deepstack_visual_indexes"] == [0, 2]
+
+
+def test_save_hf_loads_in_transformers(pair, tmp_path):
+    hf, model, _ = pair
+    save_hf(model, tmp_path)
+    cls = type(hf)
+    back = cls.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    for name, tensor in hf.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    tokens, pixels, grid = image_inputs(*LAYOUTS["two_in_a_row"], seed=9)
+    with torch.no_grad():
+        diff = (hf_logits(back, tokens, pixels, grid) - model(tokens, pixel_values=pixels, grid_thw=grid)).abs().max()
+    assert diff.item() <= LOGITS_ATOL
+
+
+def test_hub_layout_experts_and_errors():
+    hf = hf_qwen3_vl(moe=True)
+    adapter = get_model_spec("qwen3_vl").hf_adapter
+    cfg = adapter.config_from_hf(hf.config.to_dict())
+    state = dict(hf.state_dict())
+    # the released checkpoints store experts transposed ([E, D, 2F] and [E, F, D])
+    hub = {k: (v.transpose(1, 2).contiguous() if ".mlp.experts." in k else v) for k, v in state.items()}
+    a, b = adapter.state_from_hf(state, cfg), adapter.state_from_hf(hub, cfg)
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    bad = hf.config.to_dict()
+    bad["vision_config"]["hidden_act"] = "relu"
+    with pytest.raises(ConfigError, match="vision_config.hidden_act"):
+        adapter.config_from_hf(bad)
+    bad = hf.config.to_dict()
+    bad["vision_config"]["out_hidden_size"] = 32
+    with pytest.raises(ConfigError, match="out_hidden_size"):
+        adapter.config_from_hf(bad)
+
+
+def test_placeholder_mismatch_is_a_clear_error(pair):
+    _, model, _ = pair
+    tokens, pixels, grid = image_inputs(*LAYOUTS["one_per_row"], seed=10)
+    tokens[0, tokens[0].tolist().index(END) - 1] = 7  # one placeholder short
+    with pytest.raises(ValueError, match="placeholder"):
+        model(tokens, pixel_values=pixels, grid_thw=grid)
