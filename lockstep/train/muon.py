@@ -124,12 +124,13 @@ def flex_route(flex: Any, ndim: int, head_dim: int | None) -> str:
     """How a FlexShard parameter (``param._flex``, lockstep.parallel.flex) is orthogonalised:
     "local" (this rank's storage is whole units: orthogonalise it, no communication), "skip" (an
     "owned" matrix held by another rank: nothing here) or "gather" (the gather-everything baseline).
-    The answer depends only on the bucket's layout, never on this rank's piece, so every rank of the
-    group takes the same route (the gather is a collective)."""
-    if flex.is_whole:
+    The answer depends only on the bucket's layout, never on this rank's piece (a block_shard rank may
+    hold the whole matrix while the others hold nothing), so every rank of the group that holds a
+    piece takes the same route: the gather is a collective."""
+    if flex.world == 1:
         return "local"
     if flex.placement == "owned":
-        return "skip"
+        return "local" if flex.rank == flex.owner else "skip"
     if flex.placement == "block_shard":
         if flex.dim < ndim - 2:  # whole matrices of a stack [E, out, in]
             return "local"

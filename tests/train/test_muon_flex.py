@@ -1,7 +1,8 @@
 """Distributed Muon over FlexShard local storage (lockstep.train.muon, ``param._flex``) == one process.
 
-A small fake of the FlexParam contract (docs: the flex package's ``layout.FlexParam``) puts each
-parameter's local piece on every rank ("owned", "block_shard", "shard"); the test gives both sides
+Each parameter's local piece is put on every rank ("owned", "block_shard", "shard") twice: with a small
+fake of the FlexParam contract (its own gather) and with the real ``lockstep.parallel.flex.layout.
+FlexParam`` (its flat all-gather), without the rest of flex_shard; the test gives both sides
 the SAME whole gradients (the distributed side gets ``shard_of(grad)``), steps both Muon optimizers 5
 times and checks every rank's local storage is ``torch.equal`` to the same piece of the one-process
 parameters: the same whole units are orthogonalised by the same 2-D code, so the bits match. It also
@@ -25,6 +26,7 @@ from torch import nn
 from lockstep.config.base import ConfigError
 from lockstep.models.common.transformer import build_model
 from lockstep.models.registry import model_config
+from lockstep.parallel.flex.layout import FlexParam
 from lockstep.train.muon import Muon, flex_route
 from lockstep.train.optim import OptimizerConfig
 
@@ -35,7 +37,7 @@ STEPS = 5
 class FakeFlex:
     """The FlexParam contract, enough for the optimizer: a piece ``narrow(dim, offset, length)`` per rank."""
 
-    def __init__(self, placement, global_shape, dim, offset, length, *, block=None, owner=None, world=1, rank=0):
+    def __init__(self, placement, global_shape, dim, offset, length, *, block=None, owner=None, world=2, rank=0):
         self.placement, self.global_shape, self.dim, self.offset = placement, tuple(global_shape), dim, offset
         self.length, self.block, self.owner, self.world, self.rank = length, block, owner, world, rank
         self.group, self.bucket, self.gathers = None, placement, 0
@@ -96,15 +98,27 @@ PER_HEAD = ["wq", "wk", "wv"]
 LAYOUTS = {
     "owned": {n: ("owned", 0, None) for n in ("wq", "wk", "wv", "w1", "w2", "experts")},
     # wq/wk: blocks of 2 heads (local, per-head); wv: 6-row blocks cut heads (gather); w1/w2: whole
-    # matrices in row blocks (gather); experts: whole matrices of the stack (local)
+    # matrices in row blocks (gather; w1's one block of 32 rows is all on rank 0: the others must
+    # still join its gather); experts: whole matrices of the stack (local)
     "block_shard": {"wq": ("block_shard", 0, 8), "wk": ("block_shard", 0, 4), "wv": ("block_shard", 0, 6),
-                    "w1": ("block_shard", 0, 8), "w2": ("block_shard", 0, 4), "experts": ("block_shard", 0, 1)},
+                    "w1": ("block_shard", 0, 32), "w2": ("block_shard", 0, 4), "experts": ("block_shard", 0, 1)},
     "shard": {n: ("shard", 0, None) for n in ("wq", "wk", "wv", "w1", "w2", "experts")},
 }
 
 
-def _flex_model(kind, world, rank):
-    """The Toy model with every parameter replaced by this rank's local storage and its ``_flex``."""
+class CountingFlexParam(FlexParam):
+    """The real contract class (lockstep.parallel.flex.layout), counting its gathers."""
+
+    gathers = 0
+
+    def gather_full(self, local):
+        self.gathers += 1
+        return super().gather_full(local)
+
+
+def _flex_model(kind, world, rank, impl="fake"):
+    """The Toy model with every parameter replaced by this rank's local storage and its ``_flex``
+    (``impl``: "fake" -- :class:`FakeFlex`, or "real" -- FlexParam with its own gather)."""
     model = Toy()
     owners = {}
     for i, name in enumerate(("wq", "wk", "wv", "w1", "w2", "experts")):
@@ -113,7 +127,13 @@ def _flex_model(kind, world, rank):
         placement, dim, block = LAYOUTS[kind].get(name, ("shard", 0, None))
         owner = owners.get(name) if placement == "owned" else None
         offset, length = _piece(placement, p.shape[dim], world, rank, block, owner)
-        flex = FakeFlex(placement, p.shape, dim, offset, length, block=block, owner=owner, world=world, rank=rank)
+        if impl == "fake":
+            flex = FakeFlex(placement, p.shape, dim, offset, length, block=block, owner=owner, world=world,
+                            rank=rank)
+        else:
+            flex = CountingFlexParam(placement, tuple(p.shape), dim, offset, block, owner, dist.group.WORLD, rank,
+                                     world, kind, fqn=name)
+            assert flex.piece_of(rank) == (offset, length), (name, flex.piece_of(rank), (offset, length))
         local = nn.Parameter(flex.shard_of(p.detach()).clone())
         local._flex = flex
         module, attr = (model.emb, "weight") if name == "emb.weight" else (model, name)
@@ -136,8 +156,8 @@ def _worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     res = {}
-    for kind in LAYOUTS:
-        one, flex = Toy(), _flex_model(kind, world, rank)
+    for kind, impl in [(kind, impl) for kind in LAYOUTS for impl in ("fake", "real")]:
+        one, flex = Toy(), _flex_model(kind, world, rank, impl)
         opt_one, opt_flex = _muon(one), _muon(flex)
         for step in range(STEPS):
             grads = _grads(one, step)
@@ -148,7 +168,7 @@ def _worker(rank, world, init_file, out_dir):
             opt_one.step()
             opt_flex.step()
         whole = dict(one.named_parameters())
-        res[kind] = {n: (torch.equal(p.detach(), p._flex.shard_of(whole[n].detach())), p._flex.gathers // STEPS,
+        res[kind, impl] = {n: (torch.equal(p.detach(), p._flex.shard_of(whole[n].detach())), p._flex.gathers // STEPS,
                          tuple(p.shape)) for n, p in flex.named_parameters()}
     dist.destroy_process_group()
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -174,22 +194,25 @@ EXPECTED_GATHERS = {
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("parallel")
+@pytest.mark.parametrize("impl", ["fake", "real"])
 @pytest.mark.parametrize("kind", list(LAYOUTS))
-def test_distributed_muon_bitwise_equals_one_process(results, kind):
+def test_distributed_muon_bitwise_equals_one_process(results, kind, impl):
     """Every rank's local parameters torch.equal to the one-process parameters' piece after 5 steps,
     AdamW parameters (some 0-element pieces at world 4) included; gathers only where the piece is not
     whole units."""
     world, ranks = results
     for rank, res in enumerate(ranks):
-        bad = [n for n, (equal, _, _) in res[kind].items() if not equal]
+        case = res[kind, impl]
+        bad = [n for n, (equal, _, _) in case.items() if not equal]
         assert not bad, (world, rank, kind, bad)
-        gathers = {n: g for n, (_, g, _) in res[kind].items() if n in EXPECTED_GATHERS[kind]}
+        gathers = {n: g for n, (_, g, _) in case.items() if n in EXPECTED_GATHERS[kind]}
         assert gathers == EXPECTED_GATHERS[kind], (world, rank, gathers)
-        assert all(g == 0 for n, (_, g, _) in res[kind].items() if n not in EXPECTED_GATHERS[kind])
+        assert all(g == 0 for n, (_, g, _) in case.items() if n not in EXPECTED_GATHERS[kind])
     if world == 4:  # the cases the layouts are meant to cover did occur
-        assert ranks[3]["owned"]["bias"][2] == (0,)  # an AdamW piece with 0 elements
-        assert ranks[1]["owned"]["wq"][2] == (0, 8)  # a matrix owned by another rank
-        assert ranks[3]["block_shard"]["wk"][2] == (0, 8)  # a block_shard rank holding no rows
+        assert ranks[3]["owned", impl]["bias"][2] == (0,)  # an AdamW piece with 0 elements
+        assert ranks[1]["owned", impl]["wq"][2] == (0, 8)  # a matrix owned by another rank
+        assert ranks[3]["block_shard", impl]["wk"][2] == (0, 8)  # a block_shard rank holding no rows
+        assert ranks[1]["block_shard", impl]["w1"][2] == (0, 8)  # w1 whole on rank 0
 
 
 # ---------------------------------------------------------------- single process: routes and config
@@ -204,6 +227,7 @@ def test_flex_route():
     assert flex_route(_flex("owned", (8, 4), owner=1), 2, None) == "skip"
     assert flex_route(_flex("block_shard", (8, 4), length=4, block=4), 2, 2) == "local"
     assert flex_route(_flex("block_shard", (8, 4), length=4, block=4), 2, None) == "gather"
+    assert flex_route(_flex("block_shard", (8, 4), length=8, block=8), 2, None) == "gather"  # whole here, not there
     assert flex_route(_flex("block_shard", (8, 4), length=4, block=6), 2, 4) == "gather"  # heads cut
     assert flex_route(_flex("block_shard", (4, 8, 4), length=2, block=1), 3, None) == "local"  # whole matrices
     assert flex_route(_flex("block_shard", (4, 8, 4), dim=1, length=4, block=4), 3, None) == "gather"
