@@ -26,6 +26,8 @@ from lockstep.run.nonfinite import validate_nonfinite
 from lockstep.train.config import TRAINING_MODES, require_batch_invariant_on_cpu
 from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 
+#: ``workers.engine`` choices: lockstep's own engine, or vLLM running lockstep's modules (lockstep.vllm)
+GENERATOR_ENGINES = ["lockstep", "vllm"]
 #: what the loss's importance ratio divides by (see RLTrainingConfig.ratio_to)
 RATIO_TO = ["generator", "current"]
 
@@ -105,6 +107,9 @@ class WorkersConfig(Config):
     max_offpolicy_steps: int = 0
     #: intra-op threads of each generator process (0 = torch's default; torchrun sets 1)
     generator_threads: int = 0
+    #: what the generator processes generate with: "lockstep" (lockstep.generate.Engine) or "vllm"
+    #: (lockstep.vllm.VllmEngine: vLLM running lockstep's modules; each weights version is loaded into it in place)
+    engine: str = "lockstep"
 
     def validate(self, path: str = "workers") -> None:
         require(self.generators >= 0, f"{path}.generators", f"must be >= 0, got {self.generators}")
@@ -114,6 +119,10 @@ class WorkersConfig(Config):
                 "asynchronous rollouts need generator processes (workers.generators >= 1); colocated "
                 "generation (generators=0) is synchronous")
         require(self.generator_threads >= 0, f"{path}.generator_threads", f"must be >= 0, got {self.generator_threads}")
+        require_choice(self.engine, GENERATOR_ENGINES, f"{path}.engine")
+        require(self.engine == "lockstep" or self.generators >= 1, f"{path}.engine",
+                f"{self.engine!r} runs in generator processes (workers.generators >= 1); colocated generation uses "
+                f"lockstep's engine")
 
 
 

@@ -59,7 +59,8 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
     live.phase("starting the engine")
     policy.model.to(resolve_device(config.training.device))
     receiver = WeightReceiver(policy.model, layout.weight_groups[layout.rank], first=start, last=last - 1)
-    engine = Engine(policy.model, policy.tokenizer, config.engine)
+    engine = _build_engine(config, policy)
+    synced = receiver.version  # the weights version the engine runs (lockstep's engine reads the model itself)
     rollout = Rollout(engine, config.rollout, tokenizer=policy.tokenizer, chat_template=policy.chat_template)
     env = config.task.build()
     sender = ObjectSender(dst=0, group=layout.rollout_group, tag=ROLLOUT_TAG)
@@ -86,9 +87,15 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
         waited = receiver.wait_for(needed, interrupt=interrupt)
         if waited is None or step is None:
             continue  # a generator was lost (this one may own an earlier batch now), or every version is in
+        sync = {}
+        if config.workers.engine == "vllm" and receiver.version != synced:
+            live.phase(f"loading weights version {receiver.version} into vLLM")
+            done = engine.load_weights()
+            synced = receiver.version
+            sync = {"generator/weight_sync_s": done["seconds"], "generator/weight_sync_bytes": done["bytes"]}
         live.phase(f"generating batch {step} with weights version {receiver.version}")
         payload = rollout_batch_payload(rollout, env, config, step, receiver.version)
-        payload.update({"numerics": numerics.thread_settings(), "generator/weight_wait_s": waited,
+        payload.update({**sync, "numerics": numerics.thread_settings(), "generator/weight_wait_s": waited,
                         "generator/rank": layout.rank,
                         "generator/weight_apply_s": receiver.apply_s})
         _wait_sent(sender, receiver, live, f"sending the rollouts of step {max(produced, default=step)}")
@@ -96,6 +103,15 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
         produced.add(step)
     sender.close()
     live.finish()
+
+
+def _build_engine(config: RLConfig, policy: Policy):
+    """The generator's engine (``workers.engine``)."""
+    if config.workers.engine == "vllm":
+        from lockstep.vllm.engine import VllmEngine
+
+        return VllmEngine(policy.model, policy.tokenizer, config.engine)
+    return Engine(policy.model, policy.tokenizer, config.engine)
 
 
 def _wait_sent(sender: ObjectSender, receiver: WeightReceiver, live, phase: str) -> None:

@@ -22,7 +22,9 @@ within vLLM but draws other tokens than lockstep's engine for the same seed; gre
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+import os
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -63,7 +65,11 @@ class _Sequence:
 class VllmEngine:
     """lockstep's Engine API over vLLM running the lockstep model (module docstring)."""
 
-    def __init__(self, model: nn.Module, tokenizer: Any = None, config: EngineConfig | None = None) -> None:
+    def __init__(self, model: nn.Module, tokenizer: Any = None, config: EngineConfig | None = None, *,
+                 separate_process: bool | None = None) -> None:
+        """``separate_process``: run vLLM's engine core in a process of its own (spawned) instead of this
+        one; None: only when this process is already in a torch.distributed job (an RL generator),
+        whose process group vLLM would otherwise take for its own world."""
         self.config = config = config or EngineConfig()
         config.validate()
         if not hasattr(model, "trunk") or not hasattr(model, "layers"):
@@ -77,11 +83,16 @@ class VllmEngine:
         self.eos_id = tokenizer_eos_id(tokenizer) if tokenizer is not None else None
         self._dir = tempfile.TemporaryDirectory(prefix="lockstep-vllm-")
         write_model_dir(model.config, self.dtype, self._dir.name)
+        if separate_process is None:
+            separate_process = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.separate_process = separate_process
         started = time.perf_counter()
-        self.llm = _start_llm(self._dir.name, self.dtype, config, self.max_seq_len)
+        self.llm = _start_llm(self._dir.name, self.dtype, config, self.max_seq_len, separate_process)
         self.engine = self.llm.llm_engine
         #: seconds vLLM took to start (before the first weights were loaded)
         self.start_s = time.perf_counter() - started
+        #: what callers read of lockstep's KV cache (``cache.capacity_tokens``: the Rollout's context limit)
+        self.cache = _CacheInfo(_capacity_tokens(self.llm, model, self.dtype, config))
         self._instance = next(_instances)
         self._next_id = 0
         self._live: dict[str, _Sequence] = {}
@@ -99,7 +110,7 @@ class VllmEngine:
         state = self.model.state_dict() if state is None else state
         started = time.perf_counter()
         items = [(name, t.detach()) for name, t in state.items()]
-        self.llm.apply_model(lambda vllm_model: vllm_model.load_weights(items))
+        self.llm.apply_model(functools.partial(_load_into, items))
         nbytes = sum(t.numel() * t.element_size() for _, t in items)
         self.last_sync = {"seconds": time.perf_counter() - started, "bytes": float(nbytes)}
         return self.last_sync
@@ -246,18 +257,47 @@ class VllmEngine:
         return results  # type: ignore[return-value]
 
 
+@dataclasses.dataclass(frozen=True)
+class _CacheInfo:
+    #: tokens vLLM's KV cache holds (every sequence together)
+    capacity_tokens: int
+
+
+def _capacity_tokens(llm: Any, model: nn.Module, dtype: torch.dtype, config: EngineConfig) -> int:
+    """vLLM's KV-cache blocks x block size; where vLLM does not tell (it sized the cache in another
+    process), the configured bytes over lockstep's bytes per token."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    if cache.num_gpu_blocks:
+        return int(cache.num_gpu_blocks * cache.block_size)
+    per_token = sum(lay.elements_per_token() for lay in check_supported(model).values()) * dtype.itemsize
+    return int(config.cache_memory_mb * 2**20 // per_token)
+
+
+def _load_into(items: list[tuple[str, torch.Tensor]], vllm_model: nn.Module) -> int:
+    """Run in vLLM's worker (a module-level function: a separate process receives it by pickle)."""
+    return len(vllm_model.load_weights(items))
+
+
 def _finish_reason(vllm_reason: str | None) -> str:
     return {"stop": "stop", "length": "length", "abort": "abort"}.get(vllm_reason or "", "length")
 
 
-def _start_llm(path: str, dtype: torch.dtype, config: EngineConfig, max_seq_len: int) -> Any:
-    """vLLM's ``LLM`` on the model directory, in this process. vLLM pins torch's intra-op threads to one
-    and replaces ``torch.set_num_threads`` for the process while it starts; both are put back."""
+def _start_llm(path: str, dtype: torch.dtype, config: EngineConfig, max_seq_len: int, separate_process: bool) -> Any:
+    """vLLM's ``LLM`` on the model directory. In this process, vLLM pins torch's intra-op threads to one
+    and replaces ``torch.set_num_threads`` while it starts: both are put back. In a separate process
+    (spawned: a fork would inherit this one's torch.distributed state), the weights travel by
+    pickle (``VLLM_ALLOW_INSECURE_SERIALIZATION``: the function load_weights sends) and the child keeps
+    this process's thread count (``OMP_NUM_THREADS``)."""
     configure_environment()
+    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if separate_process else "0"
+    if separate_process:
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     register()
     from vllm import LLM
 
-    threads, set_threads = torch.get_num_threads(), torch.set_num_threads
     try:
         return LLM(model=path, dtype=str(dtype).removeprefix("torch."), distributed_executor_backend="uni",
                    load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
