@@ -1,0 +1,107 @@
+"""The image+text sample format and its batches, for vision-language training and scoring.
+
+A sample is token ids with one *marker* id wherever an image goes, plus the images in order
+(:class:`ImageTextSample`). :func:`collate` preprocesses the images (:mod:`lockstep.data.images`), replaces
+each marker by ``vision_start, image_token * n, vision_end`` (``n`` = the image's merged patch count, as
+transformers' Qwen3-VL processor expands ``<|image_pad|>``), right-pads the rows and builds the targets:
+the next token, or ``IGNORE`` where the next token is an image placeholder or padding (image patches
+are inputs, never predicted). A text-only sample is a sample without images; batches mix them freely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from lockstep.data.images import ImageProcessorConfig, preprocess_images
+
+#: target of positions that are not scored (cross_entropy's ignore_index)
+IGNORE = -100
+
+
+@dataclasses.dataclass
+class ImageTextSample:
+    """Token ids with ``marker`` ids where the ``images`` (PIL or uint8 arrays, in order) go."""
+
+    tokens: list[int]
+    images: list[Any] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionTokens:
+    """The special token ids of a vision-language vocabulary (Qwen3-VL's config fields)."""
+
+    image_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    #: the id that marks an image's place in ``ImageTextSample.tokens``
+    marker: int
+
+    @classmethod
+    def of(cls, model_config: Any, marker: int | None = None) -> "VisionTokens":
+        """The ids of a Qwen3-VL model config; the marker defaults to the image token itself."""
+        return cls(model_config.image_token_id, model_config.vision_start_token_id, model_config.vision_end_token_id,
+                   model_config.image_token_id if marker is None else marker)
+
+
+@dataclasses.dataclass
+class ImageTextBatch:
+    """``tokens``/``targets [B, T]``; the images of all rows, in token order: ``pixel_values [P, D]``,
+    ``grid_thw [N, 3]`` (both None in a text-only batch)."""
+
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    pixel_values: torch.Tensor | None
+    grid_thw: torch.Tensor | None
+
+    def model_inputs(self) -> dict[str, torch.Tensor | None]:
+        """Keyword arguments of ``Qwen3VLModel.forward`` besides the tokens."""
+        return {"pixel_values": self.pixel_values, "grid_thw": self.grid_thw}
+
+
+def expand_markers(tokens: Sequence[int], counts: Sequence[int], ids: VisionTokens) -> list[int]:
+    """``tokens`` with the i-th marker replaced by start, ``counts[i]`` image tokens, end."""
+    markers = sum(1 for t in tokens if t == ids.marker)
+    if markers != len(counts):
+        raise ValueError(f"sample holds {markers} image marker(s) ({ids.marker}) but {len(counts)} image(s)")
+    out: list[int] = []
+    image = 0
+    for token in tokens:
+        if token != ids.marker:
+            out.append(token)
+            continue
+        out += [ids.vision_start_token_id] + [ids.image_token_id] * counts[image] + [ids.vision_end_token_id]
+        image += 1
+    return out
+
+
+def collate(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessorConfig, pad_id: int,
+            seq_len: int | None = None) -> ImageTextBatch:
+    """One right-padded batch (module docstring). ``seq_len``: the row length (default: the longest
+    row); a longer row is an error naming the sample -- cutting it could split an image."""
+    rows, pixels, grids = [], [], []
+    for index, sample in enumerate(samples):
+        processed = preprocess_images(sample.images, processor) if sample.images else None
+        counts = processed.tokens_per_image(processor.merge_size) if processed else []
+        try:
+            rows.append(expand_markers(sample.tokens, counts, ids))
+        except ValueError as err:
+            raise ValueError(f"samples[{index}]: {err}") from None
+        if processed is not None:
+            pixels.append(torch.from_numpy(processed.pixel_values))
+            grids.append(torch.from_numpy(processed.grid_thw))
+    width = seq_len or max(len(r) for r in rows)
+    too_long = [i for i, r in enumerate(rows) if len(r) > width]
+    if too_long:
+        raise ValueError(f"samples{too_long}: longer than seq_len={width} after expanding their images")
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for b, row in enumerate(rows):
+        tokens[b, :len(row)] = torch.tensor(row)
+        nxt = torch.tensor(row[1:], dtype=torch.long)
+        targets[b, :len(row) - 1] = nxt.masked_fill(nxt == ids.image_token_id, IGNORE)
+    return ImageTextBatch(tokens, targets, torch.cat(pixels) if pixels else None,
+                          torch.cat(grids) if grids else None)
