@@ -45,7 +45,20 @@ def _expert_rows(module: nn.Module) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _slot(tensor: torch.Tensor, fqn: str, experts: dict[str, tuple[int, int]]) -> Slot:
+def _flex_layouts(module: nn.Module) -> dict[str, object]:
+    """fqn -> FlexParam of FlexShard parameters (plain local pieces of a whole parameter)."""
+    return {clean_fqn(name): p._flex for part in _parts(module)
+            for name, p in part.named_parameters() if hasattr(p, "_flex")}
+
+
+def _slot(tensor: torch.Tensor, fqn: str, experts: dict[str, tuple[int, int]],
+          flex: dict[str, object] | None = None) -> Slot:
+    if flex and fqn in flex:
+        lay = flex[fqn]
+        if tuple(tensor.shape) == tuple(lay.local_shape):  # the parameter or state shaped like it
+            offsets = [0] * len(lay.global_shape)
+            offsets[lay.dim] = lay.offset
+            return Slot(tensor, tuple(lay.global_shape), tuple(offsets))
     if fqn in experts:
         rows, offset = experts[fqn]
         return Slot.row_slice(tensor, rows, offset)
@@ -62,7 +75,7 @@ def param_fqns(model: nn.Module) -> dict[int, str]:
 
 
 def model_slots(model: nn.Module) -> dict[str, Slot]:
-    experts = _expert_rows(model)
+    experts, flex = _expert_rows(model), _flex_layouts(model)
     slots: dict[str, Slot] = {}
     seen: set[int] = set()
     for part in _parts(model):
@@ -73,7 +86,7 @@ def model_slots(model: nn.Module) -> dict[str, Slot]:
             fqn = clean_fqn(name)
             # detach(), not .data: a load writing through it moves the parameter's version counter, which
             # is how copies made from the weights (the engine's packed weights) learn they are stale
-            slots[f"model/{fqn}"] = _slot(t.detach(), fqn, experts)
+            slots[f"model/{fqn}"] = _slot(t.detach(), fqn, experts, flex)
     return slots
 
 
@@ -98,14 +111,14 @@ def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 def optimizer_slots(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Slot]:
     fqns = param_fqns(model)
-    experts = _expert_rows(model)
+    experts, flex = _expert_rows(model), _flex_layouts(model)
     slots: dict[str, Slot] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             fqn = fqns[id(p)]
             for key, value in optimizer.state[p].items():
                 if isinstance(value, torch.Tensor):
-                    slots[f"optimizer/{fqn}/{key}"] = _slot(value, fqn, experts) if value.ndim else Slot.of(value)
+                    slots[f"optimizer/{fqn}/{key}"] = _slot(value, fqn, experts, flex) if value.ndim else Slot.of(value)
     return slots
 
 

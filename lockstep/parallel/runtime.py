@@ -372,6 +372,12 @@ class ParallelRuntime:
             return {k: v.cpu() for k, v in model.state_dict().items()}
         if self.pipeline is not None:
             return self.pipeline.full_state_dict()
+        from lockstep.parallel.flex import flex_state
+
+        if flex_state(model) is not None:
+            from lockstep.parallel.flex.state import full_state_dict
+
+            return full_state_dict(model, self.is_main)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -391,6 +397,15 @@ class ParallelRuntime:
             return (f"routed experts split over ep={d.ep}, FSDP-sharded over dp_shard_mod_ep={d.dp_shard // d.ep}"
                     + (f", replicated over dp_replicate={d.dp_replicate}" if d.dp_replicate > 1 else ""))
         return f"routed experts split over ep={d.ep}, outside FSDP"
+
+    def _sharding(self) -> dict | str | None:
+        """The data-parallel sharding: "fsdp2", or FlexShard's buckets (placement, #params, bytes per rank)."""
+        from lockstep.parallel.flex import flex_state
+
+        flex = flex_state(self.model) if self.model is not None else None
+        if flex is not None:
+            return flex.describe()
+        return "fsdp2" if self.dims.dp > 1 else None
 
     def describe(self, family: str | None = None, config: ParallelConfig | None = None) -> dict:
         from lockstep.parallel.dist_moe import describe_dispatch
@@ -419,5 +434,6 @@ class ParallelRuntime:
             "expert_dispatch": describe_dispatch(config) if d.ep > 1 and config is not None else None,
             "mesh": [list(n) for n in self.dims.mesh_dims],
             "fsdp_units": "each transformer block + root" if self.dims.dp > 1 else None,
+            "sharding": self._sharding(),
             "tp_plan": "megatron col/row + sequence-parallel norms + loss-parallel head" if self.dims.tp > 1 else None,
         }
