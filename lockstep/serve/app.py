@@ -13,6 +13,7 @@ full, 503 shutting down / engine failed. ``GET /stats`` returns the loop's count
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request as HttpRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lockstep.generate.config import Request
 from lockstep.serve.loop import EngineLoop, Failure, Handle, QueueFull, ServableEngine, TokenEvent, Unavailable
@@ -29,6 +30,8 @@ from lockstep.serve.responses import Formatter, Prepared
 
 #: completions' max_tokens when the request gives none (OpenAI's default); chat defaults to the rest of the context
 DEFAULT_COMPLETION_TOKENS = 16
+#: seconds between checks that a waiting client is still connected
+DISCONNECT_POLL_S = 0.5
 
 
 def context_limit(engine: Any) -> int:
@@ -159,6 +162,31 @@ async def _next(handle: Handle) -> TokenEvent:
     return item
 
 
+class ClientGone(Exception):
+    """The client disconnected before its (non-streaming, or not yet started) response."""
+
+
+class _Watched:
+    """A handle's events for a client that may leave: every ``DISCONNECT_POLL_S`` (between events,
+    or while waiting for one) it checks the connection and raises :class:`ClientGone` once it is
+    closed -- a request waiting in the queue or generating for nobody would hold its slot to the
+    end. (A stream notices a disconnect itself: its generator is cancelled.)"""
+
+    def __init__(self, handle: Handle, http: HttpRequest) -> None:
+        self.handle, self.http, self.checked = handle, http, time.monotonic()
+
+    async def next(self) -> TokenEvent:
+        while True:
+            if time.monotonic() - self.checked >= DISCONNECT_POLL_S:
+                self.checked = time.monotonic()
+                if await self.http.is_disconnected():
+                    raise ClientGone()
+            try:  # a Queue.get cancelled by the timeout loses nothing
+                return await asyncio.wait_for(_next(self.handle), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                continue
+
+
 def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
@@ -226,22 +254,20 @@ def create_app(engine: ServableEngine, *, model_name: str = "lockstep", chat_tem
         except ValueError:
             raise ApiError(400, "request body: not valid JSON") from None
 
-    async def run(prep: Prepared, request: Request) -> Any:
+    async def run(prep: Prepared, request: Request, http: HttpRequest) -> Any:
         handle = server.submit(prep, request)
         fmt = Formatter(prep, server.tokenizer)
+        watched = _Watched(handle, http)
         try:
-            first = await _next(handle)
-        except BaseException:
-            server.loop.abort(handle)
-            raise
-        if prep.stream:
-            return StreamingResponse(_stream(server, handle, fmt, first), media_type="text/event-stream")
-        events = [first]
-        try:
+            events = [await watched.next()]
+            if prep.stream:
+                return StreamingResponse(_stream(server, handle, fmt, events[0]), media_type="text/event-stream")
             while not events[-1].event.finished:
-                events.append(await _next(handle))
-        except BaseException:
+                events.append(await watched.next())
+        except BaseException as err:  # an error, or the client left: free the engine's slot
             server.loop.abort(handle)
+            if isinstance(err, ClientGone):
+                return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
             raise
         return JSONResponse(fmt.response(events))
 
@@ -249,13 +275,13 @@ def create_app(engine: ServableEngine, *, model_name: str = "lockstep", chat_tem
     async def completions(http: HttpRequest) -> Any:
         body = parse_body(CompletionBody, await body_of(http))
         prep, request = server.prepare_completion(body)
-        return await run(prep, request)
+        return await run(prep, request, http)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest) -> Any:
         body = parse_body(ChatBody, await body_of(http))
         prep, request = server.prepare_chat(body)
-        return await run(prep, request)
+        return await run(prep, request, http)
 
     @app.get("/v1/models")
     async def models() -> Any:

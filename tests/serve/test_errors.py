@@ -182,3 +182,14 @@ def test_a_client_leaving_a_stream_frees_its_slot(gated):
         assert first.startswith("data: {")
     wait_for(lambda: stats(server)["in_flight"] == 0, timeout=5)
     assert stats(server)["finished"] == 0  # aborted, not run to the end
+
+
+def test_a_client_leaving_before_its_whole_response_frees_its_slot(gated):
+    server, engine, _ = gated
+    engine.delay = 0.02
+    engine.gate.set()
+    body = {"model": MODEL_NAME, "prompt": "To be", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/v1/completions", json=body, timeout=1.0)
+    wait_for(lambda: stats(server)["in_flight"] == 0, timeout=5)  # polled every 0.5 s: well before 500 tokens
+    assert stats(server)["finished"] == 0
