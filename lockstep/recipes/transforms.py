@@ -116,3 +116,18 @@ def _optimizer(cfg: TrainerConfig, arg: str | None) -> TrainerConfig:
         opt = dataclasses.replace(opt, momentum=base.momentum, nesterov=base.nesterov, ns_steps=base.ns_steps,
                                   ns_dtype=base.ns_dtype, adamw_params=[], muon_per_head=[])
     return dataclasses.replace(cfg, optimizer=dataclasses.replace(opt, name=arg))
+
+
+@transform("fp8", "fp8[=rowwise|tensorwise]: FP8 training GEMMs (torchao Float8; emulated on CPU) for aligned "
+                  "linears and MoE experts, head and routers kept; rowwise by default")
+def _fp8(cfg: TrainerConfig, arg: str | None) -> TrainerConfig:
+    if arg not in (None, "rowwise", "tensorwise"):
+        raise ConfigError(f"--transform fp8=SCALING: SCALING must be 'rowwise' or 'tensorwise', got {arg!r}")
+    fmt = f"fp8_{arg or 'rowwise'}"
+    return dataclasses.replace(cfg, low_precision=dataclasses.replace(cfg.low_precision, format=fmt))
+
+
+@transform("mxfp8", "MXFP8 training GEMMs (torchao MX, 32-element blocks, e8m0 scales; emulated on CPU) for "
+                    "aligned linears and MoE experts, head and routers kept")
+def _mxfp8(cfg: TrainerConfig, arg: str | None) -> TrainerConfig:
+    return dataclasses.replace(cfg, low_precision=dataclasses.replace(cfg.low_precision, format="mxfp8"))

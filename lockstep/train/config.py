@@ -8,6 +8,7 @@ from lockstep.checkpoint.config import CheckpointConfig
 from lockstep.config.base import ALLOW_INF, Config, ConfigError, require, require_choice, require_positive
 from lockstep.compile.config import CompileConfig
 from lockstep.config.run import RunConfig
+from lockstep.convert.config import LowPrecisionConfig
 from lockstep.data.config import DataConfig
 from lockstep.graph.config import GraphConfig, check_graph_layout
 from lockstep.models.common.transformer import TransformerConfig
@@ -166,6 +167,8 @@ class TrainerConfig(RunConfig):
     graph: GraphConfig = dataclasses.field(default_factory=GraphConfig)
     #: selective compilation: named regions and whole blocks
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
+    #: FP8 / MXFP8 training GEMMs for chosen layers (lockstep.convert; full-precision weights)
+    low_precision: LowPrecisionConfig = dataclasses.field(default_factory=LowPrecisionConfig)
     #: names of the model-config transforms that were applied, in order (recorded, not re-applied)
     transforms: list[str] = dataclasses.field(default_factory=list)
 
@@ -198,6 +201,9 @@ class TrainerConfig(RunConfig):
                                  activation_checkpoint=self.training.activation_checkpoint,
                                  batch_invariant=self.numerics.batch_invariant)
         require_batch_invariant_on_cpu(self.numerics, self.training.device)
+        self.low_precision.validate("low_precision")
+        self.low_precision.check_run(batch_invariant=self.numerics.batch_invariant, mode=self.training.mode,
+                                     tp=self.parallel.tp, ep=self.parallel.ep)
         if self.numerics.batch_invariant:
             require(self.parallel.tp == 1 and self.parallel.cp == 1 and self.parallel.pp == 1,
                     "numerics.batch_invariant", "is supported without tensor, context or pipeline parallelism "

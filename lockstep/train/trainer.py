@@ -103,6 +103,13 @@ class Trainer:
                 from lockstep.rl.agreement import measure_agreement
 
                 self.agreement = measure_agreement(model, seed=config.seed)
+        self.low_precision = None
+        if config.low_precision.enabled:  # on the unsplit model, before parallelism wraps its modules
+            from lockstep.convert import convert_model
+
+            self.low_precision = convert_model(model, config.low_precision, self.runtime.device)
+            if self.runtime.is_main:
+                print(self.low_precision.summary(), flush=True)
         self.model: Transformer = self.runtime.parallelize(model, config.parallel, cfg.activation_checkpoint,
                                                            mode=cfg.mode, graph_config=config.graph)
         apply_compile(self.model, config.compile, batch_invariant=config.numerics.batch_invariant)
@@ -144,7 +151,9 @@ class Trainer:
         info = self.model_info
         manifest = run_manifest(
             self.run_dir, self.config, model=info["model"], runtime=self.runtime, checkpoint=self.checkpointing,
-            resumed=self.resumed, numerics_extra={"agreement": self.agreement},
+            resumed=self.resumed,
+            numerics_extra={"agreement": self.agreement, "changes_numerics": self.low_precision is not None,
+                            "emulated": bool(self.low_precision and self.low_precision.emulated)},
             kernels={"attention": info["attention"], "moe_routing": info["moe_routing"],
                      **{k: info[k] for k in ("linear_attention",) if k in info},  # hybrid models
                      "compute_dtype": self.config.training.dtype, "autocast": self.dtype != torch.float32},
@@ -156,6 +165,7 @@ class Trainer:
                 "val_tokens": self.data.val_tokens,
             },
             transforms=list(self.config.transforms),
+            low_precision=self.low_precision.manifest() if self.low_precision else None,
             graph=graph_manifest(self.runtime),
             init_from={"name": self.config.init_from, "path": str(self.init_path)} if self.init_path else None,
         )
