@@ -5,6 +5,9 @@ the muon preset and matching; ``group``: one (bucket, unit) group's gather and r
 ``flex_shard`` (units, hooks, prefetch, reshard); ``state``: gradient norms and full state dicts.
 """
 
-from lockstep.parallel.flex.buckets import buckets_from_config, parse_bucket, parse_buckets  # noqa: F401
-from lockstep.parallel.flex.layout import BlockShard, Bucket, FlexParam, Owned, Shard  # noqa: F401
-from lockstep.parallel.flex.shard import FlexShard, flex_shard, flex_state  # noqa: F401
+from lockstep.parallel.flex.buckets import buckets_from_config, parse_bucket, parse_buckets
+from lockstep.parallel.flex.layout import BlockShard, Bucket, FlexParam, Owned, Shard
+from lockstep.parallel.flex.shard import FlexShard, flex_shard, flex_state
+
+__all__ = ["BlockShard", "Bucket", "FlexParam", "FlexShard", "Owned", "Shard", "buckets_from_config", "flex_shard",
+           "flex_state", "parse_bucket", "parse_buckets"]

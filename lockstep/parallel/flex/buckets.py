@@ -122,7 +122,7 @@ def match_buckets(fqns: list[str], buckets: list[Bucket], field: str = "parallel
                               f"({[b.name or b.patterns for b in buckets]}); every parameter needs exactly one")
         if len(found) > 1:
             names = [f"{buckets[i].name or f'{field}[{i}]'} {buckets[i].patterns}" for i in found]
-            raise ConfigError(f"{field}: parameter {fqn!r} is matched by {len(found)} buckets: {names}; "
+            raise ConfigError(f"{field}: parameter {fqn!r} is matched by {len(found)} buckets: {' and '.join(names)}; "
                               f"every parameter needs exactly one")
     return {fqn: found[0] for fqn, found in owner.items()}
 
