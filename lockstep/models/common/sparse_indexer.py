@@ -11,8 +11,14 @@ causally). As transformers' ``DeepseekV32Indexer`` (whose weights and names this
 * RoPE on the *first* ``rope_dim`` dims of q and k, in the half-rotation layout (not MLA's
   interleaved one), with the model's rope tables;
 * ``I[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s] / sqrt(head_dim))`` in fp32; keys after the
-  query get ``-inf``; the selection is ``topk(I[t], min(topk, S))``. The released model's Hadamard
+  query get ``-inf``; the selection is the ``min(topk, S)`` best keys. The released model's Hadamard
   rotation and fp8 scoring are skipped (the rotation is orthogonal; fp8 is a precision choice).
+
+Exact ties are common (a key every head scores below zero scores exactly 0 after the relu):
+among tied keys the earliest positions win (a stable sort), so a query selects the same keys in a
+training forward and in any generation step, however long its padded context row. transformers'
+``topk`` leaves ties to the kernel, which may break them differently at different row lengths
+(its prefill and its decode steps); where a tie straddles the top-k boundary the two may differ.
 
 The selection is a boolean mask ``keep [B, 1, T, S]`` = causal and selected. With ``topk >= S``
 every causal key is kept (no top-k is run). Generation caches the indexer's keys beside MLA's
@@ -101,23 +107,22 @@ class SparseIndexer(nn.Module):
     def records_loss(self) -> bool:
         return self.training and self.config.loss_weight > 0
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE (half-rotation layout) on the first ``rope_dim`` dims of ``x [B, H, T, head_dim]``."""
         rot, rest = torch.split(x, [self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
-        return torch.cat([apply_rotary(rot, cos, sin), rest], dim=-1)
+        return torch.cat([apply_rotary(rot, *rope), rest], dim=-1)
 
     def keys(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The rotated indexer key of every token, ``[B, T, head_dim]`` (what generation caches)."""
-        cos, sin = rope
-        return self._rotate(self.k_norm(self.wk(x)), cos, sin)
+        return self._rotate(self.k_norm(self.wk(x)).unsqueeze(1), rope).squeeze(1)
 
     def scores(self, x: torch.Tensor, q_latent: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                keys: torch.Tensor) -> torch.Tensor:
         """fp32 index scores ``I [B, T, S]`` of this call's queries against ``keys [B, S, head_dim]``
         (unmasked; the op order of transformers' indexer, so the top-k agrees with it bit for bit)."""
         bsz, seq, _ = x.shape
-        cos, sin = rope
         q = self.wq_b(q_latent).view(bsz, seq, self.n_heads, self.head_dim)
-        q = self._rotate(q, cos.unsqueeze(2), sin.unsqueeze(2))
+        q = self._rotate(q.transpose(1, 2), rope).transpose(1, 2)
         per_head = torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1)) * self.softmax_scale
         per_head = F.relu(per_head)  # [B, T, H, S]
         weights = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * (self.n_heads ** -0.5)
@@ -130,7 +135,9 @@ class SparseIndexer(nn.Module):
         if self.topk >= n_keys:  # every key is selected: the mask is the causal one
             return allowed.expand(scores.shape[0], 1, *scores.shape[1:])
         masked = scores.masked_fill(~allowed[:, 0], float("-inf"))
-        chosen = masked.topk(self.topk, dim=-1).indices
+        # a stable sort, not topk: exact ties (keys whose every head's relu is 0 score exactly 0) go to
+        # the earliest keys, whatever the row's length (a cached context has padding keys at its end)
+        chosen = masked.sort(dim=-1, descending=True, stable=True).indices[..., :self.topk]
         selected = torch.zeros_like(masked, dtype=torch.bool).scatter_(-1, chosen, True)
         return (selected & allowed[:, 0]).unsqueeze(1)
 

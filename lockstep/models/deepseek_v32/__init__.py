@@ -16,12 +16,12 @@ _d = deepseek_v32_config
 
 
 def _debug():
-    # DeepSeek-V3's debug flavor (3 layers, 1 dense + 2 MoE, grouped routing, YaRN x4, 1 MTP depth) with a
-    # 4-head indexer keeping 8 keys per query: sequences past 8 tokens attend sparsely.
+    # DeepSeek-V3's debug flavor (3 layers, 1 dense + 2 MoE, grouped routing, YaRN x4, 1 MTP depth) with an
+    # 8-head indexer keeping 8 keys per query: sequences past 8 tokens attend sparsely.
     return _d("debug", vocab_size=4096, dim=64, n_layers=3, n_heads=4, ffn_dim=128, max_seq_len=512,
               q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
               n_experts=8, top_k=2, moe_ffn_dim=32, n_shared_experts=1, n_group=4, topk_group=2,
-              first_k_dense_replace=1, n_mtp=1, index_n_heads=4, index_head_dim=16, index_topk=8,
+              first_k_dense_replace=1, n_mtp=1, index_n_heads=8, index_head_dim=16, index_topk=8,
               rope=YarnRopeConfig(theta=10000.0, factor=4.0, original_max_position_embeddings=128,
                                   mscale=1.0, mscale_all_dim=1.0))
 
