@@ -91,6 +91,9 @@ def check_tp_divides(model: nn.Module, tp: int) -> None:
         if isinstance(module, GatedDeltaNet) and module.n_k % tp:  # whole key-head groups per rank
             raise ConfigError(f"parallel.tp: {tp} does not divide model.linear_attention.n_k_heads={module.n_k} "
                               f"({name})")
+        if isinstance(module, MultiHeadLatentAttention) and getattr(module, "indexer", None) is not None:
+            raise ConfigError(f"parallel.tp: DeepSeek-V3.2's sparse indexer ({name}.indexer) is not supported under "
+                              "tensor parallelism; use parallel.tp=1 (FSDP2 / dp_shard works)")
         if isinstance(module, MultiHeadLatentAttention) and module.n_heads % tp:
             raise ConfigError(f"parallel.tp: {tp} does not divide model.n_heads={module.n_heads} ({name})")
         if isinstance(module, MoE):
