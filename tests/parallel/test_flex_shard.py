@@ -215,6 +215,27 @@ def _fp8_case(rank: int) -> dict:
     return out
 
 
+def _gather_order(model) -> list[tuple[str, str]]:
+    """(issue | wait, unit) of every group gather in one forward, in order (instance-level wrappers)."""
+    events = []
+    for unit in model._flex_shard.units:
+        for g in unit.groups:
+            def start(_g=g, _orig=g.start_gather, _name=unit.name):
+                if _g.pending is None:
+                    events.append(("issue", _name))
+                _orig()
+
+            def wait(_orig=g.wait_wholes, _name=unit.name):
+                events.append(("wait", _name))
+                return _orig()
+
+            g.start_gather, g.wait_wholes = start, wait
+    x, y = _batches(model.config.vocab_size)[0]
+    with torch.no_grad():
+        model(x[:1])
+    return events
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, load_from: str) -> None:
     torch.set_num_threads(1)
     os.environ["WORLD_SIZE"] = str(world)
@@ -241,6 +262,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, lo
                                                   rank, world)
     if world == 2:
         results["fp8"] = _fp8_case(rank)
+        results["gather_order"] = _gather_order(trained["llama3 shard"]["model"])
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.barrier()
@@ -299,6 +321,13 @@ def test_flex_matches_fsdp2_world2(world2, name):
 @pytest.mark.parametrize("name", [c[0] for c in WORLD4 if "fsdp2" not in c[0]])
 def test_flex_matches_fsdp2_world4(world4, name):
     _check_against_fsdp2(world4[0], name, 4)
+
+
+def test_next_unit_is_gathered_before_waiting_on_this_one(world2):
+    """Prefetch: each unit's pre-hook issues the next unit's gather, then waits for its own."""
+    assert world2[0]["gather_order"] == [
+        ("issue", "root"), ("issue", "layers.0"), ("wait", "root"),
+        ("issue", "layers.1"), ("wait", "layers.0"), ("wait", "layers.1")]
 
 
 def test_manifest_records_buckets(world2):
