@@ -43,3 +43,26 @@ class Qwen3VLModel(Transformer):
             if positions is None:
                 positions = self.image_positions(tokens, grid_thw)[0]
         return self.output(self.trunk(tokens, positions, visual=visual)[2])
+
+
+@torch.no_grad()
+def greedy_generate(model: Qwen3VLModel, tokens: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                    grid_thw: torch.Tensor | None = None, max_new_tokens: int = 16) -> torch.Tensor:
+    """Greedy continuation ``[B, T + max_new_tokens]`` by full recomputation (a reference, not the engine):
+    the images are encoded once; generated tokens continue the mRoPE positions at ``T + k + delta`` on all
+    three axes, as transformers' ``generate`` does."""
+    visual = features = None
+    if pixel_values is not None:
+        features = model.visual(pixel_values, grid_thw)
+        positions, deltas = model.image_positions(tokens, grid_thw)
+    else:
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand(3, *tokens.shape)
+        deltas = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+    for _ in range(max_new_tokens):
+        if features is not None:
+            visual = VisualInputs(tokens == model.config.image_token_id, features)
+        logits = model.output(model.trunk(tokens, positions, visual=visual)[2][:, -1])
+        step = tokens.shape[1]
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=1)
+        positions = torch.cat([positions, (step + deltas).view(1, -1, 1).expand(3, -1, 1)], dim=2)
+    return tokens

@@ -188,3 +188,24 @@ def test_placeholder_mismatch_is_a_clear_error(pair):
     tokens[0, tokens[0].tolist().index(END) - 1] = 7  # one placeholder short
     with pytest.raises(ValueError, match="placeholder"):
         model(tokens, pixel_values=pixels, grid_thw=grid)
+
+
+@pytest.mark.parametrize("layout", ["two_in_a_row", "text_only"])
+def test_greedy_generation_equals_transformers_generate(pair, layout):
+    from lockstep.models.qwen3_vl.model import greedy_generate
+
+    hf, model, _ = pair
+    if layout == "text_only":
+        tokens = torch.randint(0, 240, (1, 12), generator=torch.Generator().manual_seed(11))
+        pixels = grid = None
+        kwargs = {}
+    else:
+        tokens, pixels, grid = image_inputs(*LAYOUTS[layout], seed=11)
+        tokens = tokens[:1]  # one row: both images; no padding on either side
+        kwargs = dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(tokens == IMAGE).int())
+    hf.model.rope_deltas = None
+    # an explicit all-ones mask: else generate takes the token equal to pad_token_id for padding
+    ref = hf.generate(input_ids=tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=8, do_sample=False,
+                      pad_token_id=0, **kwargs)
+    out = greedy_generate(model, tokens, pixels, grid, max_new_tokens=8)
+    assert torch.equal(out, ref), (out[0, -8:].tolist(), ref[0, -8:].tolist())

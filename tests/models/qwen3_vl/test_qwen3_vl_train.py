@@ -43,11 +43,11 @@ def test_collate_mixes_text_only_and_image_samples():
 def test_tiny_qwen3_vl_learns_shape_captions():
     torch.manual_seed(0)
     model, ids = debug_model()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    samples = shape_samples(96, marker=ids.image_token_id, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.0)
+    samples = shape_samples(60, marker=ids.image_token_id, seed=1)
     losses = []
-    for step in range(30):
-        batch = collate(samples[(step * 8) % 96:(step * 8) % 96 + 8], ids, PROCESSOR, pad_id=0)
+    for step in range(20):
+        batch = collate(samples[(step * 6) % 60:(step * 6) % 60 + 6], ids, PROCESSOR, pad_id=0)
         logits = model(batch.tokens, **batch.model_inputs())
         loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
         opt.zero_grad()
@@ -67,3 +67,18 @@ def test_moe_flavor_trains_a_step():
     F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE).backward()
     assert model.visual.merger.linear_fc2.weight.grad.abs().sum() > 0
     assert dataclasses.is_dataclass(model.config.vision)
+
+
+def test_flavors_build_and_lockstep_dir_round_trip(tmp_path):
+    from lockstep.models.hf.io import load_lockstep_dir, save_lockstep_dir
+    from lockstep.models.registry import get_model_spec
+
+    assert set(get_model_spec("qwen3_vl").flavors) == {"debug", "debug-moe", "tiny", "tiny-moe"}
+    for flavor in ("tiny", "tiny-moe"):
+        model_config("qwen3_vl", flavor).validate()
+    model, _ = debug_model("debug-moe")
+    save_lockstep_dir(model, tmp_path)
+    again = load_lockstep_dir(tmp_path)
+    assert again.config == model.config
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
