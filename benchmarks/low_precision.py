@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 VARIANTS = {"bf16": "none", "fp8_rowwise": "fp8_rowwise", "mxfp8": "mxfp8"}
@@ -43,7 +44,9 @@ def run_variant(name: str, fmt: str, steps: int, val_every: int, out: Path, thre
     cfg.output.save_weights = False
     cfg.output.parity_check = False
     trainer = Trainer(cfg)
+    cpu_started = time.process_time()
     result = trainer.fit()
+    cpu_s = time.process_time() - cpu_started  # this process's CPU time: what a loaded host cannot inflate
     records = read_metrics(Path(cfg.run_dir) / "metrics.jsonl")
     step_times = [r["time/step"] for r in records if "time/step" in r][5:]  # first steps warm up
     return {
@@ -55,7 +58,32 @@ def run_variant(name: str, fmt: str, steps: int, val_every: int, out: Path, thre
         "val_loss": sorted(result.val_losses.items()),
         "final_val_loss": result.val_losses[max(result.val_losses)],
         "median_step_s": statistics.median(step_times) if step_times else None,
+        "cpu_s_per_step": cpu_s / steps,  # validation included
     }
+
+
+def load_variant(out: Path, name: str) -> dict | None:
+    """A variant's results: its finished ``<name>.json``, else what its run dir's metrics hold so far
+    (a run stopped early: no CPU time, step times from the steps it logged)."""
+    path = out / f"{name}.json"
+    if path.exists():
+        return {**json.loads(path.read_text()), "finished": True}
+    metrics = out / name / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    from lockstep.observe import read_metrics
+
+    records = read_metrics(metrics)
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if not val:
+        return None
+    manifest = json.loads((out / name / "manifest.json").read_text())
+    step_times = [r["time/step"] for r in records if "time/step" in r][5:]
+    return {"format": VARIANTS[name], "finished": False,
+            "converted_layers": len((manifest.get("low_precision") or {}).get("layers", {})),
+            "train_loss": [(r["step"], r["loss"]) for r in records if "loss" in r], "val_loss": val,
+            "median_step_s": statistics.median(step_times) if step_times else float("nan"),
+            "cpu_s_per_step": float("nan")}
 
 
 def plot(results: dict, png: Path) -> None:
@@ -69,7 +97,7 @@ def plot(results: dict, png: Path) -> None:
         steps, losses = zip(*r["train_loss"])
         line, = ax.plot(steps, losses, alpha=0.35, linewidth=0.8)
         vs, vl = zip(*r["val_loss"])
-        ax.plot(vs, vl, "o-", color=line.get_color(), label=f"{name} val (final {r['final_val_loss']:.4f})")
+        ax.plot(vs, vl, "o-", color=line.get_color(), label=f"{name} val ({r['final_val_loss']:.4f} at step {r['compared_at']})")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("shakespeare recipe: bf16 vs FP8 rowwise vs MXFP8 (CPU, emulated)")
@@ -98,17 +126,25 @@ def main() -> None:
                         args.val_batches, args.warmup)
         (args.out / f"{name}.json").write_text(json.dumps(r, indent=1))
         print(f"{name}: final val loss {r['final_val_loss']:.4f}, median step {r['median_step_s']:.3f} s", flush=True)
-    results = {name: json.loads((args.out / f"{name}.json").read_text())
-               for name in VARIANTS if (args.out / f"{name}.json").exists()}
+    results = {name: load_variant(args.out, name) for name in VARIANTS}
+    results = {name: r for name, r in results.items() if r is not None}
+    # compared at the last validation step every variant reached (the final step of finished runs)
+    at = min(max(step for step, _ in r["val_loss"]) for r in results.values())
+    for r in results.values():
+        r["final_val_loss"], r["compared_at"] = dict(r["val_loss"])[at], at
     plot(results, args.png)
     base = results.get("bf16")
-    print(f"\n{'variant':<12} {'layers':>6} {'final val':>10} {'vs bf16':>9} {'step s':>8} {'step x bf16':>12} pass")
+    print(f"\nvalidation loss compared at step {at}"
+          + ("" if all(r.get("finished") for r in results.values()) else " (some runs unfinished: partial)"))
+    print(f"\n{'variant':<12} {'layers':>6} {'val loss':>10} {'vs bf16':>9} {'step s':>8} {'step x bf16':>12} "
+          f"{'cpu s/step':>10} {'cpu x bf16':>10} pass")
     for name, r in results.items():
         rel = r["final_val_loss"] / base["final_val_loss"] - 1 if base else float("nan")
         slow = r["median_step_s"] / base["median_step_s"] if base else float("nan")
+        cpu = r["cpu_s_per_step"] / base["cpu_s_per_step"] if base else float("nan")
         ok = "-" if name == "bf16" or not base else ("yes" if abs(rel) <= TOLERANCE else "NO")
         print(f"{name:<12} {r['converted_layers']:>6} {r['final_val_loss']:>10.4f} {rel:>+9.2%} "
-              f"{r['median_step_s']:>8.3f} {slow:>12.2f} {ok}")
+              f"{r['median_step_s']:>8.3f} {slow:>12.2f} {r['cpu_s_per_step']:>10.3f} {cpu:>10.2f} {ok}")
     print(f"\nplot: {args.png}; results: {args.out}/<variant>.json")
 
 
