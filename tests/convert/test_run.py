@@ -82,3 +82,12 @@ def test_converted_weights_export_as_ordinary_weights(mxfp8_run):
     plain.load_state_dict(saved, strict=False)  # an unconverted model takes the converted run's weights
     tokens = torch.randint(0, cfg.model.vocab_size, (1, 8))
     assert torch.isfinite(plain(tokens)).all()
+
+
+def test_command_line_fields():
+    from lockstep.cli import resolve_config
+
+    cfg, _ = resolve_config(["--recipe", "debug", "--transform", "mxfp8", "--low-precision.exclude", "layers.0.*",
+                             "*.wo", "--low-precision.min-elements", "0"])
+    assert cfg.low_precision.format == "mxfp8" and cfg.low_precision.exclude == ["layers.0.*", "*.wo"]
+    assert cfg.low_precision.min_elements == 0 and cfg.transforms == ["mxfp8"]
