@@ -49,6 +49,10 @@ WORLD2 = [
     ("qwen3_moe fsdp2", "qwen3_moe", {}, "none"),
     ("qwen3_moe shard", "qwen3_moe", {"sharding": "flex"}, "none"),
     ("qwen3_moe mixed", "qwen3_moe", {"sharding": "flex", "flex_buckets": MIXED}, "none"),
+    # BF16 gathers under bf16 autocast (FSDP2's param_dtype), fp32 reduce
+    ("qwen3_moe bf16 fsdp2", "qwen3_moe", {"fsdp_param_dtype": "bfloat16"}, "none"),
+    ("qwen3_moe bf16 mixed", "qwen3_moe", {"fsdp_param_dtype": "bfloat16", "sharding": "flex", "flex_buckets": MIXED},
+     "none"),
 ]
 WORLD4 = [
     ("llama3 fsdp2", "llama3", {}, "none"),
@@ -105,7 +109,8 @@ def _build(family: str, fields: dict, ac: str, seed: int = 0):
 
     config = ParallelConfig(**{"dp_shard": -1, **fields})
     config.validate()
-    runtime = ParallelRuntime.create(config, device="cpu")
+    dtype = torch.bfloat16 if config.fsdp_param_dtype == "bfloat16" else torch.float32
+    runtime = ParallelRuntime.create(config, device="cpu", dtype=dtype)
     model = runtime.parallelize(build_model(model_config(family, "debug"), seed=seed), config, ac)
     return runtime, model, AdamWConfig(lr=1e-2).build(model)
 
@@ -124,7 +129,8 @@ def _train(family: str, fields: dict, ac: str) -> dict:
     for x, y in _batches(model.config.vocab_size):
         dp = runtime.dims.dp
         batch = (x.chunk(dp)[runtime.dp_rank], y.chunk(dp)[runtime.dp_rank])
-        loss, _ = LMObjective()(model, batch)
+        with runtime.autocast():
+            loss, _ = LMObjective()(model, batch)
         with _Gathers() as gathers:
             loss.backward()
         backward_gathers.append(gathers.calls)
@@ -299,7 +305,7 @@ PARAM_TOL = {"llama3 mixed": 1e-4, "qwen3_moe mixed except_last": 1e-4}
 
 def _check_against_fsdp2(res: dict, name: str, world: int) -> None:
     cases = res["cases"]
-    family = name.split()[0] + (" hsdp" if "hsdp" in name else "")
+    family = name.split()[0] + "".join(f" {tag}" for tag in ("hsdp", "bf16") if tag in name.split())
     ref, got = cases[f"{family} fsdp2"], cases[name]
     assert len(got["losses"]) == len(ref["losses"]) == STEPS
     diffs = [abs(a - b) for a, b in zip(got["losses"], ref["losses"])]
