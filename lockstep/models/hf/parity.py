@@ -42,7 +42,10 @@ def family_parity(family: str, flavor: str = "debug", seed: int = 0, seq_len: in
     tokens = torch.randint(0, cfg.vocab_size, (2, seq_len), generator=torch.Generator().manual_seed(seed))
     with tempfile.TemporaryDirectory() as tmp:
         save_hf(model, Path(tmp))
-        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        try:
+            hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        except ValueError:  # vision-language families (qwen3_vl): text-only logits of the image-text model
+            hf = transformers.AutoModelForImageTextToText.from_pretrained(tmp, dtype=torch.float32).eval()
         with torch.no_grad():
             ours, theirs = model(tokens), hf(input_ids=tokens).logits
     diff = float((ours - theirs).abs().max())
