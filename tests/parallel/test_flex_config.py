@@ -137,7 +137,7 @@ def test_world1_flex_trains_like_the_plain_model(reshard):
     cfg = model_config("qwen3_moe", "debug")
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randint(0, cfg.vocab_size, (2, 16), generator=g),
-                torch.randint(0, cfg.vocab_size, (2, 16), generator=g)) for _ in range(3)]
+                torch.randint(0, cfg.vocab_size, (2, 16), generator=g)) for _ in range(2)]
     plain = build_model(cfg, seed=0)
     flex = apply_activation_checkpointing(build_model(cfg, seed=0), "full")
     state = flex_shard(flex, parse_buckets(["layers.*.attention.w[qkv].weight=block_shard(0,16)",
@@ -172,3 +172,15 @@ def test_python_api_bucket_errors_name_the_bucket():
     with pytest.raises(ConfigError, match="^ffn: fp8 gathers 2-D parameters split on dim 0"):
         flex_shard(model, [Bucket(["layers.*.feed_forward.*"], BlockShard(1, 16), fp8=True, name="ffn"),
                            Bucket(["[!l]*", "layers.*.attention*", "layers.*.ffn_norm.*"], Shard(0))], None)
+
+
+def test_cli_flags_reach_the_config():
+    from lockstep.cli import resolve_config
+
+    specs = ["layers.*.attention.w[qkv].weight=block_shard(0,16)", "layers.*.feed_forward.*=owned", "[!l]*=shard"]
+    cfg, _ = resolve_config(["--recipe", "debug", "--parallel.sharding", "flex", "--parallel.flex-buckets", *specs])
+    assert cfg.parallel.sharding == "flex" and cfg.parallel.flex_buckets == specs
+    with pytest.raises(ConfigError, match=r"^parallel.flex_buckets\[0\]: unknown placement 'everywhere'"):
+        resolve_config(["--recipe", "debug", "--parallel.sharding", "flex", "--parallel.flex-buckets", "*=everywhere"])
+    with pytest.raises(ConfigError, match=r"^parallel.sharding: flex supports dp_shard / dp_replicate only, got tp=2"):
+        resolve_config(["--recipe", "debug", "--parallel.sharding", "flex", "--parallel.tp", "2"])
