@@ -105,3 +105,78 @@ def collate(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: Im
         targets[b, :len(row) - 1] = nxt.masked_fill(nxt == ids.image_token_id, IGNORE)
     return ImageTextBatch(tokens, targets, torch.cat(pixels) if pixels else None,
                           torch.cat(grids) if grids else None)
+
+
+def _expanded(sample: ImageTextSample, ids: VisionTokens, processor: ImageProcessorConfig
+              ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+    processed = preprocess_images(sample.images, processor) if sample.images else None
+    counts = processed.tokens_per_image(processor.merge_size) if processed else []
+    row = expand_markers(sample.tokens, counts, ids)
+    if processed is None:
+        return row, None, None
+    return row, torch.from_numpy(processed.pixel_values), torch.from_numpy(processed.grid_thw)
+
+
+def pack(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessorConfig, pad_id: int,
+         seq_len: int) -> ImageTextBatch:
+    """Whole samples, in order, packed greedily into rows of ``seq_len`` (a sample that does not fit
+    starts the next row; the rest of a row is padding). Samples in one row follow each other as in
+    the text :class:`~lockstep.data.loader.PackedLoader` (causal attention across them); an image is
+    never split. Targets as in :func:`collate`."""
+    rows: list[list[int]] = [[]]
+    pixels, grids = [], []
+    for index, sample in enumerate(samples):
+        try:
+            row, pixel_values, grid_thw = _expanded(sample, ids, processor)
+        except ValueError as err:
+            raise ValueError(f"samples[{index}]: {err}") from None
+        if len(row) > seq_len:
+            raise ValueError(f"samples[{index}]: {len(row)} tokens after expanding its images > seq_len={seq_len}")
+        if len(rows[-1]) + len(row) > seq_len:
+            rows.append([])
+        rows[-1].extend(row)
+        if pixel_values is not None:
+            pixels.append(pixel_values)
+            grids.append(grid_thw)
+    tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), seq_len), IGNORE, dtype=torch.long)
+    for b, row in enumerate(rows):
+        tokens[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+        nxt = torch.tensor(row[1:], dtype=torch.long)
+        targets[b, :len(row) - 1] = nxt.masked_fill(nxt == ids.image_token_id, IGNORE)
+    return ImageTextBatch(tokens, targets, torch.cat(pixels) if pixels else None, torch.cat(grids) if grids else None)
+
+
+class ImageTextLoader:
+    """Infinite, resumable, seeded-shuffle iterator of packed :class:`ImageTextBatch` es of
+    ``batch_samples`` samples each (text-only and image+text samples mixed). Epoch ``e`` visits every
+    sample once in an order that is a pure function of ``(seed, e)``; the state is ``(epoch, position)``."""
+
+    def __init__(self, samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessorConfig, *,
+                 seq_len: int, batch_samples: int, pad_id: int = 0, seed: int = 0) -> None:
+        if not samples or batch_samples <= 0 or batch_samples > len(samples):
+            raise ValueError(f"batch_samples must be in [1, {len(samples)}] (the number of samples), "
+                             f"got {batch_samples}")
+        self.samples, self.ids, self.processor = list(samples), ids, processor
+        self.seq_len, self.batch_samples, self.pad_id, self.seed = seq_len, batch_samples, pad_id, seed
+        self.epoch, self.position = 0, 0
+
+    def _order(self) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(len(self.samples), generator=gen).tolist()
+
+    def __iter__(self) -> "ImageTextLoader":
+        return self
+
+    def __next__(self) -> ImageTextBatch:
+        if self.position + self.batch_samples > len(self.samples):  # the epoch's short tail is dropped
+            self.epoch, self.position = self.epoch + 1, 0
+        chosen = self._order()[self.position:self.position + self.batch_samples]
+        self.position += self.batch_samples
+        return pack([self.samples[i] for i in chosen], self.ids, self.processor, self.pad_id, self.seq_len)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -82,3 +82,29 @@ def test_flavors_build_and_lockstep_dir_round_trip(tmp_path):
     assert again.config == model.config
     for name, tensor in model.state_dict().items():
         assert torch.equal(again.state_dict()[name], tensor), name
+
+
+def test_packed_loader_mixes_text_and_images_and_resumes():
+    from lockstep.data.image_samples import ImageTextLoader, pack
+    from lockstep.models.common.mrope import mrope_positions
+
+    cfg = model_config("qwen3_vl", "debug")
+    ids = VisionTokens.of(cfg, marker=7)
+    samples = shape_samples(6, marker=7) + [ImageTextSample([1, 2, 3, 4]) for _ in range(4)]
+    batch = pack(samples[:2] + samples[6:8] + samples[2:3], ids, PROCESSOR, pad_id=0, seq_len=48)
+    # rows: [image sample 22 tokens + image sample 22] [text 4 + text 4 + image sample 22]
+    assert batch.tokens.shape == (2, 48) and batch.grid_thw.shape == (3, 3)
+    assert (batch.tokens == ids.image_token_id).sum().item() == 3 * 16
+    positions, _ = mrope_positions(batch.tokens, batch.grid_thw, ids.image_token_id, 2)  # images line up
+    assert positions.shape == (3, 2, 48)
+    loader = ImageTextLoader(samples, ids, PROCESSOR, seq_len=64, batch_samples=3, seed=1)
+    first = [next(loader) for _ in range(2)]
+    state = loader.state_dict()
+    after = next(loader)
+    again = ImageTextLoader(samples, ids, PROCESSOR, seq_len=64, batch_samples=3, seed=1)
+    again.load_state_dict(state)
+    resumed = next(again)
+    assert torch.equal(resumed.tokens, after.tokens) and torch.equal(resumed.targets, after.targets)
+    assert not torch.equal(first[0].tokens, first[1].tokens)
+    with pytest.raises(ValueError, match="seq_len=16"):
+        pack(samples[:1], ids, PROCESSOR, pad_id=0, seq_len=16)
