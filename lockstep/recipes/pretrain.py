@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from lockstep.data.config import DataConfig
 from lockstep.models.registry import model_config
 from lockstep.recipes.registry import recipe
@@ -72,6 +74,16 @@ def debug_moe() -> TrainerConfig:
 def debug_deepseek() -> TrainerConfig:
     cfg = debug()
     cfg.model = model_config("deepseek_v3", "debug")
+    return cfg
+
+
+@recipe("debug-deepseek-v32", "tiny deepseek_v32 (deepseek_v3 + sparse-attention indexer, its KL loss on) on Shakespeare, "
+                               "for tests")
+def debug_deepseek_v32() -> TrainerConfig:
+    cfg = debug()
+    cfg.model = model_config("deepseek_v32", "debug")
+    indexer = dataclasses.replace(cfg.model.attention.indexer, loss_weight=1.0)
+    cfg.model = dataclasses.replace(cfg.model, attention=dataclasses.replace(cfg.model.attention, indexer=indexer))
     return cfg
 
 

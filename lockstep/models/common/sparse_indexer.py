@@ -33,10 +33,11 @@ reaches the main model. With ``loss_weight > 0``, in training mode, the indexer 
 
 over the keys the main attention saw at ``t`` (``stage="sparse"``: the selected set; ``"dense"``:
 all causal keys), where ``p`` is the main attention's distribution summed over heads and
-L1-normalised (fp32, detached). ``pop_auxiliary()`` returns it as ``indexer/kl``, which the trainer
-adds to the loss. ``stage="dense"`` is the paper's warm-up: the main attention stays dense while the
-indexer learns to imitate it (the paper also freezes the rest of the model then; lockstep has no
-freezing switch, so that part is up to the optimiser set-up). The target needs the attention
+L1-normalised (fp32, detached). ``pop_auxiliary()`` returns it as ``kl`` (the model prefixes the
+module path: ``layers.{i}.attention.indexer/kl``), which the trainer adds to the loss.
+``stage="dense"`` is the paper's warm-up: the main attention stays dense while the indexer learns
+to imitate it (the paper also freezes the rest of the model then; lockstep has no freezing switch,
+so that part is up to the optimiser set-up). The target needs the attention
 probabilities ``[B, H, T, S]``: a reference computation, sized for small models.
 """
 
@@ -175,7 +176,7 @@ class SparseIndexer(nn.Module):
             return {}, {}
         loss = torch.stack(self._losses).sum()
         self._losses = []
-        return {"indexer/kl": loss}, {"indexer/kl": loss.detach() / self.config.loss_weight}
+        return {"kl": loss}, {"kl": loss.detach() / self.config.loss_weight}
 
 
 def causal_allowed(seq: int, device: torch.device | str) -> torch.Tensor:
