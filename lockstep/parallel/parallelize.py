@@ -161,6 +161,11 @@ def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: Parall
     if dims.dp > 1 and config.sharding == "flex":
         from lockstep.parallel.flex import buckets_from_config, flex_shard
 
+        if getattr(activation_checkpoint, "mode", activation_checkpoint) == "regions":
+            # a torch_remat replay calls the block's forward without its module hooks: no gathered weights
+            raise ConfigError("parallel.sharding: flex supports training.activation_checkpoint modes none, full "
+                              "and selective, not regions")
+
         flex_shard(model, buckets_from_config(config, model), mesh, param_dtype=DTYPES[config.fsdp_param_dtype],
                    reshard_after_forward=config.reshard_after_forward)
     elif dims.dp > 1:

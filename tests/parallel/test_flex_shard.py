@@ -242,6 +242,24 @@ def _gather_order(model) -> list[tuple[str, str]]:
     return events
 
 
+def _misc(model) -> dict:
+    """A flex state dict pickles (``torch.save``; the process group is left out); AC regions are refused."""
+    import io
+
+    from lockstep.config.base import ConfigError
+    from lockstep.parallel.checkpointing import ActivationCheckpointConfig
+
+    out = {}
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    out["pickled"] = buffer.tell() > 0
+    try:
+        _build("llama3", {"sharding": "flex"}, ActivationCheckpointConfig(mode="regions"))
+    except ConfigError as err:
+        out["regions"] = str(err)
+    return out
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, load_from: str) -> None:
     torch.set_num_threads(1)
     os.environ["WORLD_SIZE"] = str(world)
@@ -269,6 +287,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, lo
     if world == 2:
         results["fp8"] = _fp8_case(rank)
         results["gather_order"] = _gather_order(trained["llama3 shard"]["model"])
+        results["misc"] = _misc(trained["llama3 shard"]["model"])
     if rank == 0:
         torch.save(results, os.path.join(out_dir, "results.pt"))
     dist.barrier()
@@ -334,6 +353,12 @@ def test_next_unit_is_gathered_before_waiting_on_this_one(world2):
     assert world2[0]["gather_order"] == [
         ("issue", "root"), ("issue", "layers.0"), ("wait", "root"),
         ("issue", "layers.1"), ("wait", "layers.0"), ("wait", "layers.1")]
+
+
+def test_state_dict_pickles_and_regions_are_refused(world2):
+    misc = world2[0]["misc"]
+    assert misc["pickled"]
+    assert misc["regions"].startswith("parallel.sharding: flex supports training.activation_checkpoint modes")
 
 
 def test_manifest_records_buckets(world2):

@@ -100,6 +100,10 @@ class FlexParam:
     bucket: str
     fqn: str = ""
 
+    def __getstate__(self) -> dict:
+        """Pickled without the process group (a parameter pickles its attributes; a group cannot)."""
+        return {**self.__dict__, "group": None}
+
     # ------------------------------------------------------------------ pieces
 
     def piece_of(self, rank: int) -> tuple[int, int]:
