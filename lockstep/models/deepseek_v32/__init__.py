@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from lockstep.models.common.rope_yarn import YarnRopeConfig
 from lockstep.models.deepseek_v32.hf import DeepSeekV32Adapter
-from lockstep.models.deepseek_v32.model import FAMILY, deepseek_v32_config
+from lockstep.models.deepseek_v32.model import FAMILY, deepseek_v32_config, param_count
 from lockstep.models.registry import ModelSpec, register_model
 
 _d = deepseek_v32_config
@@ -58,4 +58,4 @@ SPEC = register_model(
                           "each query's top-k keys for MLA)")
 )
 
-__all__ = ["FLAVORS", "SPEC", "DeepSeekV32Adapter", "deepseek_v32_config"]
+__all__ = ["FLAVORS", "SPEC", "DeepSeekV32Adapter", "deepseek_v32_config", "param_count"]

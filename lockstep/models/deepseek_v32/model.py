@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 
 from lockstep.models.common.sparse_indexer import SparseIndexerConfig
+from lockstep.models.common.sparse_indexer import param_count as indexer_param_count
 from lockstep.models.deepseek_v3.model import DeepSeekV3Config, deepseek_v3_config
+from lockstep.models.deepseek_v3.model import param_count as deepseek_v3_param_count
 
 FAMILY = "deepseek_v32"
 
@@ -32,4 +34,15 @@ def deepseek_v32_config(flavor: str, *, index_n_heads: int, index_head_dim: int,
     return dataclasses.replace(cfg, attention=dataclasses.replace(cfg.attention, indexer=indexer))
 
 
-__all__ = ["FAMILY", "deepseek_v32_config"]
+def param_count(config: DeepSeekV3Config) -> dict[str, int]:
+    """DeepSeek-V3's counts (computed without building) plus one indexer per block (MTP blocks too)."""
+    counts = deepseek_v3_param_count(config)
+    per_layer = indexer_param_count(config.attention.indexer, config.dim, config.attention.q_lora_rank)
+    counts["indexer_per_layer"] = per_layer
+    counts["total"] += per_layer * (config.n_layers + config.n_mtp)
+    counts["active"] += per_layer * config.n_layers
+    counts["mtp"] += per_layer * config.n_mtp
+    return counts
+
+
+__all__ = ["FAMILY", "deepseek_v32_config", "param_count"]

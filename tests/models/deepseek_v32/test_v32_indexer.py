@@ -149,3 +149,25 @@ def test_config_round_trips_through_the_checkpoint_dict():
     cfg = model_config("deepseek_v32", "tiny")
     back = config_from_dict(config_to_dict(cfg))
     assert back == cfg and back.attention.indexer == cfg.attention.indexer
+
+
+@pytest.mark.parametrize("flavor", ["debug", "tiny"])
+def test_param_count_matches_the_built_model(flavor):
+    from lockstep.models.common.transformer import build_meta_model
+    from lockstep.models.deepseek_v32 import param_count
+
+    cfg = model_config("deepseek_v32", flavor)
+    counts = param_count(cfg)
+    assert counts["total"] == sum(p.numel() for p in build_meta_model(cfg).parameters())
+    assert counts["indexer_per_layer"] > 0
+
+
+def test_671b_flavor_sizes():
+    """DeepSeek-V3.2-Exp: DeepSeek-V3's 671B main model plus 61 indexers (64 heads x 128, top-2048)."""
+    from lockstep.models.deepseek_v32 import param_count
+
+    cfg = model_config("deepseek_v32", "671B")
+    cfg.validate()
+    counts = param_count(cfg)
+    assert counts["indexer_per_layer"] == 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    assert round((counts["total"] - counts["mtp"]) / 1e9, 1) == 671.9  # 671.0B of DeepSeek-V3 + 0.86B
