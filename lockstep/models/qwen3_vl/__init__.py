@@ -1,7 +1,7 @@
 """Qwen3-VL family (registry name ``qwen3_vl``): vision tower + Qwen3 text decoder with interleaved mRoPE and
 DeepStack, dense ("<size>") or MoE ("<size>-moe", Qwen3-VL-MoE). Reads and writes HF ``qwen3_vl`` and
-``qwen3_vl_moe`` checkpoints. Only test-sized flavors are listed: real checkpoints load through
-``load_hf`` (their config.json gives the shapes)."""
+``qwen3_vl_moe`` checkpoints. Test-sized flavors, plus the shapes of Qwen/Qwen3-VL-2B, -8B and -30B-A3B
+(parameter counts checked against transformers built from the same config)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,20 @@ FLAVORS = {}
 for _size in _SIZES:
     FLAVORS[_size] = (lambda s: lambda: _flavor(s, False))(_size)
     FLAVORS[f"{_size}-moe"] = (lambda s: lambda: _flavor(s, True))(_size)
+
+_QWEN_TOKENS = dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
+                    vision_end_token_id=151653)
+_VIT_SMALL = dict(depth=24, dim=1024, ffn_dim=4096, n_heads=16, deepstack_layers=[5, 11, 17])
+_VIT_LARGE = dict(depth=27, dim=1152, ffn_dim=4304, n_heads=16, deepstack_layers=[8, 16, 24])
+_REAL = dict(vocab_size=151936, head_dim=128, max_seq_len=262144, mrope_section=[24, 20, 20], **_QWEN_TOKENS)
+FLAVORS.update({
+    "2B": lambda: qwen3_vl_config("2B", vision=VisionConfig(**_VIT_SMALL), dim=2048, n_layers=28, n_heads=16,
+                                  n_kv_heads=8, ffn_dim=6144, tie_embeddings=True, **_REAL),
+    "8B": lambda: qwen3_vl_config("8B", vision=VisionConfig(**_VIT_LARGE), dim=4096, n_layers=36, n_heads=32,
+                                  n_kv_heads=8, ffn_dim=12288, **_REAL),
+    "30B-A3B": lambda: qwen3_vl_config("30B-A3B", vision=VisionConfig(**_VIT_LARGE), dim=2048, n_layers=48, n_heads=32,
+                                       n_kv_heads=4, ffn_dim=6144, n_experts=128, top_k=8, moe_ffn_dim=768, **_REAL),
+})
 
 SPEC = register_model(
     ModelSpec(name="qwen3_vl", flavors=FLAVORS, hf_model_types=("qwen3_vl", "qwen3_vl_moe"), hf_adapter=ADAPTER,

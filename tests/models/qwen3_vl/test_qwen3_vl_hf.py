@@ -217,3 +217,21 @@ def test_family_parity_check_runs_for_qwen3_vl(flavor):
 
     result = family_parity("qwen3_vl", flavor)  # the trainer's start-up check (output.parity_check)
     assert result["ran"] and result["passed"] and result["max_abs_diff"] <= TOLERANCE
+
+
+@pytest.mark.parametrize("flavor", ["2B", "8B", "30B-A3B"])
+def test_real_shape_flavors_match_transformers_parameter_counts(flavor):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from lockstep.models.common.transformer import build_meta_model
+    from lockstep.models.registry import model_config
+
+    cfg = model_config("qwen3_vl", flavor)
+    hf_dict = get_model_spec("qwen3_vl").hf_adapter.config_to_hf(cfg)
+    hf_cfg = AutoConfig.for_model(**hf_dict)
+    with torch.device("meta"):
+        hf = AutoModelForImageTextToText.from_config(hf_cfg)
+        ours = build_meta_model(cfg)
+    hf_count = sum(p.numel() for p in hf.parameters())  # a tied head is one parameter on both sides
+    assert ours.num_params() == hf_count, (ours.num_params(), hf_count)
+    print(f"{flavor}: {hf_count / 1e9:.2f}B parameters")
