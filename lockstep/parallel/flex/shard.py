@@ -33,10 +33,9 @@ import torch.distributed as dist
 from torch import nn
 
 from lockstep.config.base import ConfigError
-from lockstep.parallel.flex.buckets import match_buckets, param_names
+from lockstep.parallel.flex.buckets import match_buckets
 from lockstep.parallel.flex.group import FlexGroup, GatherGroup
-from lockstep.parallel.flex.layout import (BlockShard, Bucket, FlexParam, Owned, Shard, assign_owners,
-                                           group_rank_world)
+from lockstep.parallel.flex.layout import BlockShard, Bucket, FlexParam, Owned, assign_owners, group_rank_world
 from lockstep.parallel.param_properties import swap_in_properties
 
 RESHARD = ("always", "never", "except_last")
@@ -186,16 +185,52 @@ def flex_shard(model: nn.Module, buckets: list[Bucket], mesh_or_group=None, *,
                reshard_after_forward: str = "always", field: str = "parallel.flex_buckets") -> FlexShard:
     """Shard ``model``'s parameters by ``buckets`` over ``mesh_or_group`` (a DeviceMesh with
     ``dp_shard`` [+ ``dp_replicate``, ``dp``] dims, or a ProcessGroup: every bucket over it; None: the
-    default group), in place. Returns the :class:`FlexShard` (also ``model._flex_shard``)."""
+    default group, or one process), in place. Returns the :class:`FlexShard` (also ``model._flex_shard``)."""
+    from lockstep.checkpoint.train_state import param_fqns
+
     if reshard_after_forward not in RESHARD:
         raise ConfigError(f"parallel.reshard_after_forward: must be one of {list(RESHARD)}, "
                           f"got {reshard_after_forward!r}")
-    from lockstep.checkpoint.train_state import param_fqns
-
-    fqn_of = param_fqns(model)  # id(param) -> clean fqn
+    fqn_of = param_fqns(model)  # id(param) -> clean fqn (a tied pair once)
     params = {fqn_of[id(p)]: p for p in model.parameters()}
-    fqns = param_names(model)
-    bucket_of = match_buckets(fqns, buckets, field)
+    bucket_of = match_buckets(list(params), buckets, field)
+    _check_params(params, buckets, bucket_of, field)
+    groups = {b.mesh_dim: _groups_of(mesh_or_group, b.mesh_dim) for b in buckets}
+    layouts = _layouts(params, buckets, bucket_of, groups, field)
+    local = _install_local_params(model, params, layouts)
+    blocks = _units(model)
+    unit_of: dict[int, int] = {}  # id(param) -> 1 + the first block holding it (0: the root)
+    for u, (_, block, _) in enumerate(blocks, start=1):
+        for p in block.parameters():
+            unit_of.setdefault(id(p), u)
+    members: dict[tuple[int, int], list[str]] = {}
+    for fqn, p in params.items():
+        members.setdefault((unit_of.get(id(local[fqn]), 0), bucket_of[fqn]), []).append(fqn)
+    units = [_Unit("root", model, [])] + [_Unit(name, inner, []) for name, _, inner in blocks]
+    for (u, bi), fqns in sorted(members.items()):
+        b = buckets[bi]
+        rep = groups[b.mesh_dim][1]
+        units[u].groups.append(FlexGroup(
+            f"{units[u].name}/{b.name or bi}", [local[f] for f in fqns], [layouts[f] for f in fqns],
+            param_dtype=param_dtype, reduce_dtype=reduce_dtype, replicate_group=rep,
+            replicate_world=dist.get_world_size(rep) if rep is not None else 1,
+            fp8_block=b.placement.block if b.fp8 else None))
+    _link_units(units, reshard_after_forward)
+    # attribute reads: the whole tensor while the group is active
+    where = {id(p): (g, i) for u in units for g in u.groups for i, p in enumerate(g.params)}
+    for module in model.modules():
+        names = [n for n, q in module._parameters.items() if q is not None]
+        if names:
+            module._flex_slots = {n: where[id(module._parameters[n])] for n in names}
+            swap_in_properties(module, names, _whole_property, "Flex")
+    state = FlexShard(buckets, units, local, bucket_of, param_dtype)
+    state.install(model)
+    model.__dict__["_flex_shard"] = state
+    return state
+
+
+def _check_params(params: dict[str, nn.Parameter], buckets: list[Bucket], bucket_of: dict[str, int],
+                  field: str) -> None:
     for fqn, p in params.items():
         if p.ndim == 0:
             raise ConfigError(f"{field}: {fqn!r} is a 0-d parameter; FlexShard splits or owns tensors of >= 1 dim")
@@ -206,82 +241,59 @@ def flex_shard(model: nn.Module, buckets: list[Bucket], mesh_or_group=None, *,
         if b.fp8 and (p.ndim != 2 or b.placement.dim != 0):
             raise ConfigError(f"{b.name or field}: fp8 gathers 2-D parameters split on dim 0; {fqn!r} is "
                               f"{tuple(p.shape)} with dim {b.placement.dim}")
-    # unit of every parameter: the first block holding it, else the root
-    unit_of = {}
-    blocks = _units(model)
-    for u, (name, block, _) in enumerate(blocks, start=1):
-        for p in block.parameters():
-            unit_of.setdefault(id(p), u)
-    groups_cache: dict[str, tuple] = {}
-    for b in buckets:
-        if b.mesh_dim not in groups_cache:
-            groups_cache[b.mesh_dim] = _groups_of(mesh_or_group, b.mesh_dim)
-    # owners: balanced over every owned parameter of a mesh dim together
+
+
+def _layouts(params: dict[str, nn.Parameter], buckets: list[Bucket], bucket_of: dict[str, int],
+             groups: dict[str, tuple], field: str) -> dict[str, FlexParam]:
+    """Every parameter's FlexParam; owners balanced over every owned parameter of a mesh dim together."""
     owners: dict[str, int] = {}
-    for mesh_dim, (group, _) in groups_cache.items():
-        _, world = group_rank_world(group)
-        owned = {f: tuple(params[f].shape) for f in fqns
+    for mesh_dim, (group, _) in groups.items():
+        owned = {f: tuple(p.shape) for f, p in params.items()
                  if isinstance(buckets[bucket_of[f]].placement, Owned) and buckets[bucket_of[f]].mesh_dim == mesh_dim}
-        owners.update(assign_owners(owned, world))
-    layouts: dict[str, FlexParam] = {}
-    members: dict[tuple[int, int], list[str]] = {}
-    for fqn in fqns:
-        p, b = params[fqn], buckets[bucket_of[fqn]]
-        group, _ = groups_cache[b.mesh_dim]
+        owners.update(assign_owners(owned, group_rank_world(group)[1]))
+    layouts = {}
+    for fqn, p in params.items():
+        b = buckets[bucket_of[fqn]]
+        group = groups[b.mesh_dim][0]
         rank, world = group_rank_world(group)
         dim, block = _block_and_dim(b.placement, tuple(p.shape), fqn, b.name or field)
-        lay = FlexParam(placement=b.placement.name, global_shape=tuple(p.shape), dim=dim, offset=0,
-                        block=block if isinstance(b.placement, BlockShard) else None,
+        lay = FlexParam(placement=b.placement.name, global_shape=tuple(p.shape), dim=dim, offset=0, block=block,
                         owner=owners.get(fqn), group=group, rank=rank, world=world,
                         bucket=b.name or f"{field}[{bucket_of[fqn]}]", fqn=fqn)
-        if isinstance(b.placement, Shard):
-            lay.block = None
         lay.offset = lay.piece_of(rank)[0]
         layouts[fqn] = lay
-        members.setdefault((unit_of.get(id(p), 0), bucket_of[fqn]), []).append(fqn)
-    # replace every parameter by its local piece (tied modules share the new parameter)
-    new_params: dict[int, nn.Parameter] = {}
-    for fqn in fqns:
-        p, lay = params[fqn], layouts[fqn]
-        local = nn.Parameter(lay.shard_of(p.detach()).clone(), requires_grad=p.requires_grad)
-        local._flex = lay
-        new_params[id(p)] = local
-    slots: dict[int, tuple[nn.Module, list[str]]] = {}
+    return layouts
+
+
+def _install_local_params(model: nn.Module, params: dict[str, nn.Parameter],
+                          layouts: dict[str, FlexParam]) -> dict[str, nn.Parameter]:
+    """Replace every parameter by a plain parameter of its local piece carrying ``_flex`` (tied modules
+    share the new one); returns fqn -> the new parameter."""
+    local = {}
+    new: dict[int, nn.Parameter] = {}
+    for fqn, p in params.items():
+        piece = nn.Parameter(layouts[fqn].shard_of(p.detach()).clone(), requires_grad=p.requires_grad)
+        piece._flex = layouts[fqn]
+        local[fqn] = new[id(p)] = piece
     for module in model.modules():
-        names = [n for n, q in module._parameters.items() if q is not None]
-        for n in names:
-            module._parameters[n] = new_params[id(module._parameters[n])]
-        if names:
-            slots[id(module)] = (module, names)
-    # groups per unit
-    units = [_Unit("root", model, [])] + [_Unit(name, inner, []) for name, _, inner in blocks]
-    for (u, bi), group_fqns in sorted(members.items()):
-        b = buckets[bi]
-        shard_group, rep = groups_cache[b.mesh_dim]
-        rep_world = dist.get_world_size(rep) if rep is not None else 1
-        g = FlexGroup(f"{units[u].name}/{b.name or bi}", [new_params[id(params[f])] for f in group_fqns],
-                      [layouts[f] for f in group_fqns], param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                      replicate_group=rep, replicate_world=rep_world,
-                      fp8_block=b.placement.block if b.fp8 else None)
-        units[u].groups.append(g)
-    for i, unit in enumerate(units[1:], start=1):
+        for n, q in list(module._parameters.items()):
+            if q is not None:
+                module._parameters[n] = new[id(q)]
+    return local
+
+
+def _link_units(units: list[_Unit], reshard_after_forward: str) -> None:
+    """Prefetch order (root, block 0, block 1, ...) and who reshards (the root only under "always",
+    the last block not under "except_last", as FSDP2's apply_fsdp)."""
+    for i, unit in enumerate(units):
         unit.next = units[i + 1] if i + 1 < len(units) else None
-        last = i == len(units) - 1
+        if i == 0:
+            reshard = reshard_after_forward == "always"
+        else:
+            reshard = reshard_after_forward == "always" or (reshard_after_forward == "except_last"
+                                                            and i < len(units) - 1)
         for g in unit.groups:
-            g.reshard = reshard_after_forward == "always" or (reshard_after_forward == "except_last" and not last)
-    units[0].next = units[1] if len(units) > 1 else None
-    for g in units[0].groups:
-        g.reshard = reshard_after_forward == "always"
-    # attribute reads: the whole tensor while the group is active
-    where = {id(new_params[id(params[f])]): (g, i) for u in units for g in u.groups
-             for i, f in enumerate(lay.fqn for lay in g.layouts)}
-    for module, names in slots.values():
-        module._flex_slots = {n: where[id(module._parameters[n])] for n in names}
-        swap_in_properties(module, names, _whole_property, "Flex")
-    state = FlexShard(buckets, units, {f: new_params[id(params[f])] for f in fqns}, bucket_of, param_dtype)
-    state.install(model)
-    model.__dict__["_flex_shard"] = state
-    return state
+            g.reshard = reshard
 
 
 def _whole_property(name: str) -> property:
@@ -295,5 +307,5 @@ def _whole_property(name: str) -> property:
 
 
 def flex_state(model: nn.Module) -> FlexShard | None:
-    """The :class:`FlexShard` of a flex-sharded model (or of a ModuleList of them: the first), else None."""
+    """The :class:`FlexShard` of a flex-sharded model, else None."""
     return model.__dict__.get("_flex_shard")
