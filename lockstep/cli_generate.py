@@ -192,16 +192,20 @@ def cmd_generate(argv: list[str]) -> int:
     if not prompt_ids:
         raise ConfigError("--prompt: encodes to no tokens")
     engine = _engine(source, args)
-    if args.json:
-        from lockstep.generate import Request
+    try:
+        if args.json:
+            from lockstep.generate import Request
 
-        [result] = engine.generate([Request(prompt_ids=prompt_ids, sampling=sampling)])
-        print(json.dumps({"prompt_ids": result.prompt_ids, "token_ids": result.token_ids,
-                          "logprobs": result.logprobs, "text": result.text,
-                          "finish_reason": result.finish_reason}))
-        return 0
-    _stream(engine, prompt_ids, sampling, sys.stdout)
-    sys.stdout.write("\n")
+            [result] = engine.generate([Request(prompt_ids=prompt_ids, sampling=sampling)])
+            print(json.dumps({"prompt_ids": result.prompt_ids, "token_ids": result.token_ids,
+                              "logprobs": result.logprobs, "text": result.text,
+                              "finish_reason": result.finish_reason}))
+            return 0
+        _stream(engine, prompt_ids, sampling, sys.stdout)
+        sys.stdout.write("\n")
+    finally:
+        if hasattr(engine, "close"):  # the vLLM engine: its engine core and this process's torch.distributed state
+            engine.close()
     return 0
 
 

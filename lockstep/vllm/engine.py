@@ -12,8 +12,9 @@ tensors into vLLM's copy in place (no restart); RL generators call it for every 
 
 What maps and what does not (docs/generation.md, "vLLM"): ``max_batch_size`` -> vLLM's
 ``max_num_seqs``, ``max_prefill_tokens`` -> ``max_num_batched_tokens``, ``cache_memory_mb`` -> its
-KV cache bytes, ``weights_dtype`` -> its dtype; the lockstep kernel options (packing, compiled
-decode, paged_attention, batch_invariant) have no vLLM counterpart and are ignored. Log-probabilities
+KV cache bytes, ``weights_dtype`` -> its dtype, ``batch_invariant`` -> lockstep's batch-invariant
+kernels in the lockstep modules (not in vLLM's attention); the lockstep kernel options (packing,
+compiled decode, paged_attention) have no vLLM counterpart and are ignored. Log-probabilities
 are vLLM's ``processed_logprobs``: ``log_softmax(logits / T)`` as lockstep's, except that vLLM
 renormalises over what top-k/top-p keep where lockstep does not. Seeded sampling is reproducible
 within vLLM but draws other tokens than lockstep's engine for the same seed; greedy is the same.
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.engine import tokenizer_eos_id
@@ -104,6 +106,11 @@ class VllmEngine:
         self._live: dict[str, _Sequence] = {}
         #: per load_weights call: {"seconds", "bytes"} of the last one
         self.last_sync: dict[str, float] = {}
+        #: lockstep's batch-invariant kernels for the lockstep modules inside vLLM (EngineConfig.batch_invariant,
+        #: None: the process-wide switch now); vLLM's attention kernel is not one of them (docs/numerics.md)
+        mode = config.batch_invariant
+        self.batch_invariant = numerics.is_batch_invariant() if mode is None else mode
+        self.llm.apply_model(functools.partial(_prepare_numerics, self.batch_invariant, separate_process))
         self.load_weights()
 
     def close(self) -> None:
@@ -211,7 +218,8 @@ class VllmEngine:
             raise ConfigError("Request.prompt_ids: the prompt is empty; give at least one token")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ConfigError(f"Request.prompt_ids: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise ConfigError(f"Request.prompt_ids: token ids {bad[:5]} are outside the vocabulary "
+                              f"[0, {self.vocab_size})")
         return ids
 
     # ----------------------------------------------------------------- driving
@@ -219,7 +227,12 @@ class VllmEngine:
     def step(self) -> list[StreamEvent]:
         """One vLLM engine step (its scheduler admits, prefills and decodes); an event per new token."""
         events: list[StreamEvent] = []
-        for output in self.engine.step():
+        if self.separate_process:  # the switch was set in vLLM's process (_prepare_numerics)
+            outputs = self.engine.step()
+        else:
+            with numerics.batch_invariant(self.batch_invariant):
+                outputs = self.engine.step()
+        for output in outputs:
             seq = self._live.get(output.request_id)
             if seq is None:
                 continue  # aborted meanwhile
@@ -291,6 +304,14 @@ def _capacity_tokens(llm: Any, model: nn.Module, dtype: torch.dtype, config: Eng
         return int(cache.num_gpu_blocks * cache.block_size)
     per_token = sum(lay.elements_per_token() for lay in check_supported(model).values()) * dtype.itemsize
     return int(config.cache_memory_mb * 2**20 // per_token)
+
+
+def _prepare_numerics(batch_invariant: bool, separate_process: bool, vllm_model: nn.Module) -> None:
+    """In vLLM's worker: the lockstep linears follow the batch-invariant switch; in a process of vLLM's
+    own, the switch is set there for good (in this process, ``step`` sets it around each step)."""
+    numerics.prepare_model(vllm_model.model)
+    if separate_process:
+        numerics.set_batch_invariant(batch_invariant)
 
 
 def _load_into(items: list[tuple[str, torch.Tensor]], vllm_model: nn.Module) -> int:

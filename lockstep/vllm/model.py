@@ -85,7 +85,8 @@ class VllmLayerCache:
              scale: float | None) -> torch.Tensor:
         """q [N, H, d], k/v [N, Hkv, d] -> [1, H, N, value_dim] through vLLM's Attention layer."""
         if scale is not None and not math.isclose(scale, self.true_scale, rel_tol=1e-6):
-            raise ValueError(f"attention scale {scale} differs from the {self.true_scale} the vLLM layer was built with")
+            raise ValueError(f"attention scale {scale} differs from the {self.true_scale} the vLLM layer was "
+                             f"built with")
         n, h = q.shape[0], q.shape[1]
         out = self.attn(self._pad(q), self._pad(k), self._pad(v))  # [N, H * size]
         return out.view(n, h, self.size)[..., :value_dim].transpose(0, 1).unsqueeze(0)

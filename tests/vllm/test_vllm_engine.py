@@ -101,7 +101,8 @@ def test_stop_strings_stop_ids_streaming_and_abort_as_the_lockstep_engine(engine
     model, engine = engines("llama3")  # the request API does not depend on the family
     [first] = engine.generate([Request(prompt_ids=[3, 4, 5], sampling=SamplingParams(max_new_tokens=8, temperature=0))])
     stop_text, stop_id = first.text[3], first.token_ids[5]
-    requests = [Request(prompt_ids=[3, 4, 5], sampling=SamplingParams(max_new_tokens=8, temperature=0, stop=[stop_text])),
+    requests = [Request(prompt_ids=[3, 4, 5],
+                        sampling=SamplingParams(max_new_tokens=8, temperature=0, stop=[stop_text])),
                 Request(prompt_ids=[3, 4, 5], sampling=SamplingParams(max_new_tokens=8, temperature=0,
                                                                       stop_token_ids=[stop_id]))]
     want = engine_for(model, FakeTokenizer()).generate(requests)
