@@ -46,7 +46,7 @@ def test_tiny_qwen3_vl_learns_shape_captions():
     opt = torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.0)
     samples = shape_samples(60, marker=ids.image_token_id, seed=1)
     losses = []
-    for step in range(20):
+    for step in range(15):
         batch = collate(samples[(step * 6) % 60:(step * 6) % 60 + 6], ids, PROCESSOR, pad_id=0)
         logits = model(batch.tokens, **batch.model_inputs())
         loss = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), ignore_index=IGNORE)
@@ -56,7 +56,7 @@ def test_tiny_qwen3_vl_learns_shape_captions():
         losses.append(loss.item())
     first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
     print(f"shape captions: loss {first:.3f} -> {last:.3f} in {len(losses)} steps")
-    assert last < 0.4 * first
+    assert last < 0.5 * first
     assert all(g.grad is not None for g in model.visual.parameters())  # the tower is trained too
 
 
@@ -73,8 +73,9 @@ def test_flavors_build_and_lockstep_dir_round_trip(tmp_path):
     from lockstep.models.hf.io import load_lockstep_dir, save_lockstep_dir
     from lockstep.models.registry import get_model_spec
 
-    assert set(get_model_spec("qwen3_vl").flavors) == {"debug", "debug-moe", "tiny", "tiny-moe"}
-    for flavor in ("tiny", "tiny-moe"):
+    flavors = set(get_model_spec("qwen3_vl").flavors)
+    assert flavors == {"debug", "debug-moe", "tiny", "tiny-moe", "2B", "8B", "30B-A3B"}
+    for flavor in flavors:
         model_config("qwen3_vl", flavor).validate()
     model, _ = debug_model("debug-moe")
     save_lockstep_dir(model, tmp_path)
