@@ -19,6 +19,8 @@ COMPILE_MODES = ["none", "inductor", "inductor-frozen", "aot_eager"]
 WEIGHTS_DTYPES = ["model", "bfloat16", "float32"]
 #: ``EngineConfig.linear_kernel`` choices
 LINEAR_KERNELS = ["auto", "amx", "onednn"]
+#: ``EngineConfig.speculative`` choices
+SPECULATIVE_MODES = ["none", "mtp"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -66,6 +68,15 @@ class EngineConfig(Config):
     #: decode steps read keys/values in place from the paged cache (lockstep.ops.paged_attention, a C
     #: kernel; CPU, sdpa backend) instead of gathering each context and running SDPA on the copy
     paged_attention: bool = True
+    #: prefill prompts in chunks of this many tokens (lockstep.generate.prefill): activation memory
+    #: bounded by the chunk, not the prompt; same tokens as one-shot prefill up to float summation
+    #: order. 0 = one forward per prefill batch. Not for sliding-window models
+    prefill_chunk: int = 0
+    #: speculative decoding: "none", or "mtp" (draft with the model's multi-token-prediction heads,
+    #: verify in one forward; greedy requests only; lockstep.generate.speculative)
+    speculative: str = "none"
+    #: with speculative="mtp": tokens drafted per verify forward (chained through the MTP depths)
+    draft_tokens: int = 2
 
     def validate(self, path: str = "engine") -> None:
         require_positive(self.cache_memory_mb, f"{path}.cache_memory_mb")
@@ -77,6 +88,11 @@ class EngineConfig(Config):
         require_choice(self.compile_decode, COMPILE_MODES, f"{path}.compile_decode")
         require_choice(self.weights_dtype, WEIGHTS_DTYPES, f"{path}.weights_dtype")
         require_choice(self.linear_kernel, LINEAR_KERNELS, f"{path}.linear_kernel")
+        require(isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 0, f"{path}.prefill_chunk",
+                f"must be an integer >= 0 (0 = no chunking), got {self.prefill_chunk!r}")
+        require_choice(self.speculative, SPECULATIVE_MODES, f"{path}.speculative")
+        require(isinstance(self.draft_tokens, int) and self.draft_tokens >= 1, f"{path}.draft_tokens",
+                f"must be an integer >= 1, got {self.draft_tokens!r}")
 
     def build(self, *, model: Any, tokenizer: Any = None) -> "Engine":
         from lockstep.generate.engine import Engine

@@ -42,9 +42,11 @@ from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts, w
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.packed import linear_kernel, pack_linears, packable, sibling_grouping_pass
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
-from lockstep.generate.recurrent import RecurrentStateCache
+from lockstep.generate.prefill import check_prefill_chunk, prefill
+from lockstep.generate.recurrent import RecurrentStateCache, recurrent_layers
 from lockstep.generate.sampling import request_generator, sample_next
 from lockstep.generate.scheduler import Scheduler, Sequence
+from lockstep.generate.speculative import MTPSpeculator, check_speculative, mtp_layouts
 from lockstep.generate.weights import ShadowWeights, parse_dtype
 
 
@@ -111,6 +113,9 @@ class Engine:
         self._modules = list(runner.modules())
         self._prepared = False  # numerics.prepare_model has run on the runner
         layouts = layer_layouts(runner)
+        check_speculative(runner, config.speculative, bool(recurrent_layers(runner)))
+        if config.speculative == "mtp":  # the MTP depths' own cache layers
+            layouts.update(mtp_layouts(runner))
         per_block, window_blocks, window_bytes = PagedKVCache.sizes(layouts, config.block_size, self.dtype,
                                                                     config.max_batch_size)
         num_blocks = config.num_blocks or int((config.cache_memory_mb * 2**20 - window_bytes) // per_block)
@@ -125,6 +130,9 @@ class Engine:
         self.recurrent = RecurrentStateCache.for_model(runner, config.max_batch_size, self.dtype, self.device)
         #: what the model's trunk is handed: the paged KV cache, beside the recurrent state if any
         self._model_cache = self.recurrent.wrap(self.cache) if self.recurrent is not None else self.cache
+        check_prefill_chunk(config.prefill_chunk, self.cache.window)
+        #: drafts and verification of MTP speculative decoding (EngineConfig.speculative), None when off
+        self.speculator = MTPSpeculator(self, config.draft_tokens) if config.speculative == "mtp" else None
         #: optional hook, called as ``on_logits(seq_ids, logits [B, V] fp32)`` for every sampled row (tests, debugging)
         self.on_logits: Callable[[list[int], torch.Tensor], None] | None = None
         self._next_id = 0
@@ -169,6 +177,8 @@ class Engine:
         if not isinstance(sp, SamplingParams):
             raise ConfigError(f"Request.sampling: must be a SamplingParams, got {type(sp).__name__}")
         sp.validate("sampling")
+        if self.speculator is not None:
+            self.speculator.check_request(sp.greedy)
         prompt = self._prompt_ids(request)
         n = len(prompt)
         if n > self.max_seq_len:
@@ -253,10 +263,10 @@ class Engine:
                 events: list[StreamEvent] = []
                 admitted = self.scheduler.admit()
                 if admitted:
-                    events += self._prefill(admitted)
+                    events += prefill(self, admitted)
                 active = [s for s in self.scheduler.running if s.finish_reason is None]
                 if active:
-                    events += self._decode(active)
+                    events += self.speculator.decode(active) if self.speculator else self._decode(active)
                 self.scheduler.release_finished()
                 self._free_recurrent()
         finally:
@@ -306,25 +316,11 @@ class Engine:
         return self.runner.output(h[:, -1]).float()
 
     def _free_recurrent(self) -> None:
-        """Return the recurrent-state slots of sequences no longer running (hybrid models)."""
+        """Return the recurrent-state slots (hybrid models) and drafts of sequences no longer running."""
         if self.recurrent is not None:
             self.recurrent.keep_only(s.seq_id for s in self.scheduler.running)
-
-    def _prefill(self, seqs: list[Sequence]) -> list[StreamEvent]:
-        lengths = torch.tensor([len(s.prompt_ids) for s in seqs])
-        b, t = len(seqs), int(lengths.max())
-        tokens = torch.zeros(b, t, dtype=torch.long)
-        for i, seq in enumerate(seqs):
-            tokens[i, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
-        valid = torch.arange(t)[None] < lengths[:, None]
-        positions = torch.arange(t).expand(b, t) * valid
-        tables = self._block_tables(seqs, -(-t // self.config.block_size))
-        positions = self._set_step(tables, positions, valid, seqs, fresh=True)
-        if self.recurrent is not None:  # fresh states; padding after each prompt leaves them untouched
-            self.recurrent.set_step([s.seq_id for s in seqs], lengths, fresh=True)
-        h = self.runner.trunk(tokens.to(self.device), positions, cache=self._model_cache)[2]
-        last = h[torch.arange(b, device=self.device), (lengths - 1).to(self.device)]
-        return self._sample(seqs, self.runner.output(last).float())
+        if self.speculator is not None:
+            self.speculator.forget(s.seq_id for s in self.scheduler.running)
 
     def _decode(self, seqs: list[Sequence]) -> list[StreamEvent]:
         b = len(seqs)
