@@ -160,12 +160,13 @@ def _groups_of(mesh_or_group, mesh_dim: str):
         return mesh_or_group, None
     names = mesh_or_group.mesh_dim_names or ()
     if mesh_dim == "dp":
-        if "dp" in names:
-            return mesh_or_group["dp"].get_group(), None
         data = [n for n in ("dp_replicate", "dp_shard") if n in names]
         if len(data) == 1:
             return mesh_or_group[data[0]].get_group(), None
-        raise ConfigError("parallel.flex_buckets: mesh dim 'dp' needs a flattened dp mesh dim")
+        try:  # the flattened (dp_replicate, dp_shard) of ParallelDims.flatten_mesh (not in mesh_dim_names)
+            return mesh_or_group["dp"].get_group(), None
+        except (KeyError, RuntimeError):
+            raise ConfigError("parallel.flex_buckets: mesh dim 'dp' needs a flattened dp mesh dim") from None
     if mesh_dim not in names:
         raise ConfigError(f"parallel.flex_buckets: mesh dim {mesh_dim!r} is not one of the mesh's {list(names)}")
     rep = mesh_or_group["dp_replicate"].get_group() if "dp_replicate" in names else None
