@@ -105,6 +105,12 @@ class VisionAttention(AttentionLayer):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
+    @property
+    def active_backend(self) -> str:
+        """The configured kernel, also in batch-invariant mode (whose kernel is causal-only): every frame
+        attends alone, in its own call with its own shapes, so its result cannot depend on the batch."""
+        return self.backend_name
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.n_heads, self.head_dim).unbind(1)

@@ -235,3 +235,16 @@ def test_real_shape_flavors_match_transformers_parameter_counts(flavor):
     hf_count = sum(p.numel() for p in hf.parameters())  # a tied head is one parameter on both sides
     assert ours.num_params() == hf_count, (ours.num_params(), hf_count)
     print(f"{flavor}: {hf_count / 1e9:.2f}B parameters")
+
+
+def test_batch_invariant_mode_with_images(pair):
+    from lockstep import numerics
+
+    _, _, path = pair
+    model = numerics.prepare_model(load_hf(path, dtype=torch.float32, allow_unverified=True).eval())
+    tokens, pixels, grid = image_inputs(*LAYOUTS["one_per_row"], seed=12)
+    first = int(grid[0].prod())
+    with torch.no_grad(), numerics.batch_invariant():  # the tower's frames attend alone: no causal-only refusal
+        batch = model(tokens, pixel_values=pixels, grid_thw=grid)
+        alone = model(tokens[:1], pixel_values=pixels[:first], grid_thw=grid[:1])
+    assert torch.equal(batch[:1], alone)  # a row's logits do not depend on the rest of the batch
