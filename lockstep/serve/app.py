@@ -204,7 +204,7 @@ async def _stream(server: Server, handle: Handle, fmt: Formatter, first: TokenEv
             while not event.event.finished and not handle.queue.empty():  # tokens that arrived meanwhile
                 item = handle.queue.get_nowait()
                 if isinstance(item, Failure):
-                    raise ApiError(503, item.message)
+                    raise ApiError(503, item.message, kind="server_error", code="unavailable")
                 event = item
                 pending.append(event)
             for group in ([pending] if not fmt.prep.want_logprobs else [[e] for e in pending]):

@@ -18,8 +18,9 @@ one more is refused with :class:`QueueFull` (HTTP 429). After :meth:`stop`, or o
 every submit is refused with :class:`Unavailable` (HTTP 503), and the requests in flight end with
 an error event.
 
-**Counters** (``stats``): engine steps, the most requests that produced a token in one step, and
-the number of steps where more than one did (proof that batching happened).
+**Counters** (``stats``): engine steps and the seconds spent in them, the most requests that
+produced a token in one step, and the number of steps where more than one did (proof that
+batching happened).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import asyncio
 import collections
 import dataclasses
 import threading
+import time
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -112,6 +114,8 @@ class LoopStats:
     finished: int = 0
     #: requests refused because the queue was full
     rejected: int = 0
+    #: seconds spent inside engine.step() (the rest of the loop's time: waiting, handing out events)
+    step_seconds: float = 0.0
 
 
 class EngineLoop:
@@ -220,7 +224,9 @@ class EngineLoop:
             self._finish(handle, None)
 
     def _step(self) -> None:
+        start = time.perf_counter()
         events = self.engine.step()
+        self.stats.step_seconds += time.perf_counter() - start
         self.stats.steps += 1
         active = len({e.seq_id for e in events})
         self.stats.max_active = max(self.stats.max_active, active)
