@@ -103,6 +103,8 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
         produced.add(step)
     sender.close()
     live.finish()
+    if hasattr(engine, "close"):  # the vLLM engine: its engine-core processes
+        engine.close()
 
 
 def _build_engine(config: RLConfig, policy: Policy):

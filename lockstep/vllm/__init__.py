@@ -15,6 +15,8 @@ import os
 from typing import Any
 
 ARCHITECTURE = "LockstepForCausalLM"
+#: environment variable a VllmEngine sets for the processes vLLM spawns: they end with their parent
+DIE_WITH_PARENT = "LOCKSTEP_VLLM_DIE_WITH_PARENT"
 #: the engines generation can run on (``lockstep generate --engine``, ``workers.engine`` of RL runs)
 ENGINES = ("lockstep", "vllm")
 
@@ -44,11 +46,30 @@ def configure_environment() -> None:
 
 def register() -> None:
     """Register lockstep's model class with vLLM (idempotent). Also vLLM's ``vllm.general_plugins``
-    entry point (pyproject.toml), so that processes vLLM starts itself know the architecture."""
+    entry point (pyproject.toml), so that processes vLLM starts itself know the architecture; in
+    those (a VllmEngine's separate engine core, :data:`DIE_WITH_PARENT` set) it also makes the process
+    end with its parent, which vLLM's do not: a generator that ends abruptly would leave them running."""
+    import multiprocessing
+
+    if os.environ.get(DIE_WITH_PARENT) == "1" and multiprocessing.parent_process() is not None:
+        _die_with_parent()
     from vllm import ModelRegistry
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "lockstep.vllm.model:LockstepForCausalLM")
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when its parent ends (Linux prctl PR_SET_PDEATHSIG; elsewhere nothing)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent ended before the call
+        os._exit(1)
 
 
 def __getattr__(name: str):

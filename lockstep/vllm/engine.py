@@ -40,11 +40,13 @@ from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.engine import tokenizer_eos_id
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
 from lockstep.models.hf.io import resolve_dtype
-from lockstep.vllm import configure_environment, register
+from lockstep.vllm import DIE_WITH_PARENT, configure_environment, register
 from lockstep.vllm.model import check_supported
 from lockstep.vllm.model_dir import write_model_dir
 
 _instances = itertools.count()
+#: VllmEngines running in this process: the last one to close gives back the torch.distributed world
+_in_process_live = 0
 
 
 @dataclasses.dataclass
@@ -97,6 +99,9 @@ class VllmEngine:
         started = time.perf_counter()
         self.llm = _start_llm(self._dir.name, self.dtype, config, self.max_seq_len, separate_process)
         self.engine = self.llm.llm_engine
+        if not separate_process:
+            global _in_process_live
+            _in_process_live += 1
         #: seconds vLLM took to start (before the first weights were loaded)
         self.start_s = time.perf_counter() - started
         #: what callers read of lockstep's KV cache (``cache.capacity_tokens``: the Rollout's context limit)
@@ -114,16 +119,20 @@ class VllmEngine:
         self.load_weights()
 
     def close(self) -> None:
-        """Stop vLLM: its engine core (and process), and, when it ran here, the torch.distributed world
-        and model-parallel groups it set up in this process, so that the process is as before."""
+        """Stop vLLM: its engine core (and processes); when it ran here and is the last to close, also the
+        torch.distributed world and model-parallel groups vLLM set up in this process (which its
+        engines share), so that the process is as before."""
+        global _in_process_live
         if self.llm is None:
             return
         self.engine.engine_core.shutdown()
         if not self.separate_process:
-            from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+            _in_process_live -= 1
+            if _in_process_live == 0:
+                from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
-            destroy_model_parallel()
-            destroy_distributed_environment()
+                destroy_model_parallel()
+                destroy_distributed_environment()
         self.llm = self.engine = None
         self._dir.cleanup()
 
@@ -335,6 +344,7 @@ def _start_llm(path: str, dtype: torch.dtype, config: EngineConfig, max_seq_len:
     if separate_process:
         os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        os.environ[DIE_WITH_PARENT] = "1"
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     register()
     from vllm import LLM

@@ -22,6 +22,7 @@ from lockstep.models.common.transformer import build_meta_model
 from lockstep.models.hf.io import save_lockstep_dir
 from lockstep.models.registry import model_config
 from lockstep.vllm import build_engine
+from lockstep.vllm.agreement import measure
 from lockstep.vllm.engine import VllmEngine
 from tests.generate.conftest import FakeTokenizer, engine_for, prompts, tiny_model
 
@@ -133,3 +134,15 @@ def test_families_vllm_cannot_run_are_a_clear_error_before_vllm_starts():
         build_engine("vllm", hybrid, None, _config())
     with pytest.raises(ConfigError, match="engine: must be one of"):
         build_engine("sglang", hybrid)
+
+
+def test_batch_invariant_vllm_is_batch_invariant_but_not_bitwise_the_trainer():
+    """docs/numerics.md, "vLLM vs the trainer": with the switch on, the lockstep modules inside vLLM run
+    lockstep's batch-invariant kernels, so vLLM gives a request the same bits in a batch and alone;
+    its attention is vLLM's kernel, not lockstep's batch-invariant one, so it is not the trainer's bits."""
+    row = measure(tiny_model("llama3"), batch_invariant=True)
+    assert row["lockstep_vs_trainer"]["logprob_diff/max"] == 0.0  # the reference: lockstep's engine
+    assert row["vllm_batch_vs_alone"]["same_tokens"] == 1.0
+    assert row["vllm_batch_vs_alone"]["logprob_diff/max"] == 0.0
+    vs_trainer = row["vllm_vs_trainer"]
+    assert 0.0 < vs_trainer["logprob_diff/max"] < 1e-5  # measured 9.5e-7 (llama3) .. 2.2e-6 (qwen3)
