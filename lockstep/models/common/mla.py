@@ -187,6 +187,9 @@ class MultiHeadLatentAttention(AttentionLayer):
                 "the indexer's top-k selection feeding a masked MLA attention, which the batch_invariant kernel "
                 "cannot take); see docs/numerics.md")
         if cache is None:
+            if self.attention_wrapper is not None:
+                raise NotImplementedError("DeepSeek-V3.2 sparse attention under an attention wrapper (context "
+                                          "parallelism): the indexer's top-k needs every key; not supported")
             return self.indexer(x, q_latent, rope, causal_allowed(x.shape[1], x.device))
         keys = cache.gather_index_keys(self.indexer.keys(x, rope))
         return self.indexer(x, q_latent, rope, position_mask(cache.q_positions, keys.shape[1]), keys=keys)
@@ -200,9 +203,6 @@ class MultiHeadLatentAttention(AttentionLayer):
             self.indexer.record_loss(scores, q, k, self.scale, seen)
         if not self.indexer.sparse:
             return self.full_attention(q, k, v, causal=True, scale=self.scale)
-        if self.attention_wrapper is not None:
-            raise NotImplementedError("DeepSeek-V3.2 sparse attention under an attention wrapper (context "
-                                      "parallelism): the indexer's top-k mask needs every key; not supported")
         return get_attention(self.active_backend)(q, k, v, causal=False, mask=keep, scale=self.scale)
 
     def _forward_absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,

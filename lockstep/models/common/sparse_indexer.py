@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep.config.base import Config, require, require_choice, require_positive
+from lockstep.models.common.moe import _recomputing
 from lockstep.models.common.rope import apply_rotary
 
 STAGES = ("sparse", "dense")
@@ -168,7 +169,8 @@ class SparseIndexer(nn.Module):
         log_pred = torch.log_softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         log_pred = log_pred.masked_fill(~visible, 0.0)  # target is 0 there: no 0 * -inf
         kl = (torch.xlogy(target, target) - target * log_pred).sum(-1)
-        self._losses.append(self.config.loss_weight * kl.mean())
+        if not _recomputing():  # an activation checkpoint's recompute: the forward already recorded it
+            self._losses.append(self.config.loss_weight * kl.mean())
 
     def pop_auxiliary(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | float]]:
         """The weighted KL loss of the forwards since the last call (summed), and it as a metric."""

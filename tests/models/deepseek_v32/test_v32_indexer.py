@@ -171,3 +171,25 @@ def test_671b_flavor_sizes():
     counts = param_count(cfg)
     assert counts["indexer_per_layer"] == 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
     assert round((counts["total"] - counts["mtp"]) / 1e9, 1) == 671.9  # 671.0B of DeepSeek-V3 + 0.86B
+
+
+def test_activation_checkpoint_recompute_records_nothing():
+    """A non-reentrant checkpoint re-runs the forward inside backward: the KL loss is recomputed (same
+    ops for the saved tensors) but recorded only once, and the gradients equal the plain run's."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = _model(loss_weight=1.0).train()
+    attn = model.layers["1"].attention
+    x = torch.randn(2, 13, model.config.dim, generator=torch.Generator().manual_seed(4))
+    rope = model.rope.prefix(13)
+    grads = []
+    for wrap in (lambda: attn(x, rope), lambda: checkpoint(attn, x, rope, use_reentrant=False)):
+        attn.zero_grad()
+        out = wrap()
+        losses, _ = attn.indexer.pop_auxiliary()
+        (out.square().mean() + losses["kl"]).backward()
+        assert attn.indexer.pop_auxiliary() == ({}, {})
+        grads.append({n: p.grad.clone() for n, p in attn.named_parameters()})
+    assert grads[0].keys() == grads[1].keys() and any(".wq_b" in n for n in grads[0] if n.startswith("indexer"))
+    for n in grads[0]:
+        assert torch.equal(grads[0][n], grads[1][n]), n
