@@ -240,6 +240,9 @@ def create_app(engine: ServableEngine, *, model_name: str = "lockstep", chat_tem
             yield
         finally:
             server.loop.stop()
+            close = getattr(engine, "close", None)  # the vLLM engine: its engine core (and processes)
+            if callable(close):
+                close()
 
     app = FastAPI(title="lockstep serve", lifespan=lifespan)
     app.state.server = server

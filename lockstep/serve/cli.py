@@ -4,15 +4,16 @@
                    [--max-batch-size 32] [--max-queue 64] [--cache-mb 512] [--served-model-name NAME]
 
 DIR is anything ``lockstep generate`` loads (:mod:`lockstep.load`). Every flag is checked before the
-model is loaded; a bad one is a ``ConfigError`` naming the flag. ``--engine vllm`` takes its engine
-from :mod:`lockstep.vllm` (``build_engine(model, tokenizer, EngineConfig)`` or a ``VllmEngine`` class
-with the lockstep Engine's constructor and request API).
+model is loaded; a bad one is a ``ConfigError`` naming the flag. ``--engine vllm`` serves a
+:class:`lockstep.vllm.VllmEngine` (vLLM running lockstep's modules) built by
+``lockstep.vllm.build_engine``; it is closed when the server stops.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -75,18 +76,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def vllm_factory() -> Any:
-    """What builds a vLLM engine: ``lockstep.vllm.build_engine`` or ``lockstep.vllm.VllmEngine``."""
+    """``lockstep.vllm.build_engine`` (``build_engine(kind, model, tokenizer, EngineConfig)``), checked:
+    a missing lockstep.vllm or vllm package is a ConfigError naming ``--engine``."""
     try:
         module = importlib.import_module("lockstep.vllm")
-        factory = getattr(module, "build_engine", None) or getattr(module, "VllmEngine", None)
     except ModuleNotFoundError as err:
         if err.name and err.name.startswith("lockstep.vllm"):
             raise ConfigError("--engine vllm: the vLLM engine (lockstep.vllm) is not part of this installation; "
                               "use --engine lockstep") from None
-        raise ConfigError(f"--engine vllm: lockstep.vllm needs the {err.name!r} package, which is not installed "
-                          f"(install vllm; see docs/generation.md)") from None
+        raise
+    factory = getattr(module, "build_engine", None)
     if factory is None:
-        raise ConfigError("--engine vllm: lockstep.vllm has no build_engine() or VllmEngine to serve with")
+        raise ConfigError("--engine vllm: lockstep.vllm has no build_engine() to serve with")
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("--engine vllm: the vllm package is not installed (the vllm extra: make setup; see "
+                          "docs/generation.md, 'vLLM')")
     return factory
 
 
@@ -96,7 +100,7 @@ def build_engine(kind: str, model: Any, tokenizer: Any, *, cache_mb: float, max_
 
     config = EngineConfig(cache_memory_mb=cache_mb, max_batch_size=max_batch_size)
     if kind == "vllm":
-        return vllm_factory()(model, tokenizer, config)
+        return vllm_factory()("vllm", model, tokenizer, config)
     return Engine(model, tokenizer, config)
 
 
