@@ -234,7 +234,8 @@ def main() -> None:
                   f"{r['step']:8.3f}")
         print(f"  fp8 / bf16, hidden bucket: bytes {f8['gather_hidden_bytes'] / bf['gather_hidden_bytes']:.3f}x, "
               f"time {f8['gather_hidden_s'] / bf['gather_hidden_s']:.2f}x; every group: bytes "
-              f"{f8['gather_all_bytes'] / bf['gather_all_bytes']:.3f}x, time {f8['gather_all_s'] / bf['gather_all_s']:.2f}x; "
+              f"{f8['gather_all_bytes'] / bf['gather_all_bytes']:.3f}x, "
+              f"time {f8['gather_all_s'] / bf['gather_all_s']:.2f}x; "
               f"whole step {f8['step'] / bf['step']:.2f}x")
     if args.json:
         with open(args.json, "w") as f:

@@ -65,7 +65,8 @@ def main() -> None:
             color = f"C{i}"
             steps, losses = zip(*train)
             ax.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
-            ax.plot(steps, _moving_mean(list(losses), 10), color=color, linewidth=1.8, label=f"{name} train (10-step mean)")
+            ax.plot(steps, _moving_mean(list(losses), 10), color=color, linewidth=1.8,
+                    label=f"{name} train (10-step mean)")
             if val:
                 vs, vl = zip(*val)
                 ax.plot(vs, vl, color=color, marker="o", linestyle="--", label=f"{name} validation")

@@ -239,8 +239,8 @@ def test_flex_muon_preset_matches_one_process(tmp_path):
     q/k/v per head, so every rank orthogonalises only what it holds, no gather) trains like one
     process with the same per-head setting. Tolerance 1e-5 on the loss, as the FSDP2 test above: the
     reduced gradients and the loss are summed in another order than one process's (measured: 9.5e-7
-    apart over 5 steps, one fp32 ulp at 8.3; the shard(0) gather baseline 4.8e-7); the Newton-Schulz of the same whole units is bitwise the same
-    (tests/train/test_muon_flex.py)."""
+    apart over 5 steps, one fp32 ulp at 8.3; the shard(0) gather baseline 4.8e-7); the Newton-Schulz
+    of the same whole units is bitwise the same (tests/train/test_muon_flex.py)."""
     common = ["--recipe", "debug", "--transform", "optimizer=muon", "--steps", "5", "--validation.every", "0",
               "--output.sample-tokens", "0", "--output.no-progress", "--output.no-save-weights",
               "--optimizer.muon-per-head", "layers.*.attention.w[qkv].weight"]
