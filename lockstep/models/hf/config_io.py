@@ -8,7 +8,8 @@ Unknown fields and unknown ``_type`` names raise :class:`ConfigError` naming the
 
 ``check_same_architecture`` compares a run's config with a checkpoint's: they may differ only in
 what does not change the function computed (flavor name, init_std, the attention backend, also
-through overrides, and ``max_seq_len``: RoPE tables are computed, not stored).
+through overrides, ``max_seq_len``: RoPE tables are computed, not stored, and a sparse indexer's
+training knobs ``loss_weight`` / ``stage``: a warm-up checkpoint goes on training sparsely).
 """
 
 from __future__ import annotations
@@ -118,6 +119,9 @@ def _architecture(config: TransformerConfig) -> dict[str, Any]:
     def strip(slot: Any) -> Any:
         if isinstance(slot, AttentionConfig):
             slot = dataclasses.replace(slot, backend="sdpa")
+            if getattr(slot, "indexer", None) is not None:  # DeepSeek-V3.2: the indexer's training knobs
+                slot = dataclasses.replace(slot, indexer=dataclasses.replace(slot.indexer, loss_weight=0.0,
+                                                                             stage="sparse"))
         return to_dict(slot)
 
     out = {k: v for k, v in to_dict(config).items() if k not in IGNORED_FIELDS}

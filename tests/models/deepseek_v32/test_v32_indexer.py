@@ -193,3 +193,20 @@ def test_activation_checkpoint_recompute_records_nothing():
     assert grads[0].keys() == grads[1].keys() and any(".wq_b" in n for n in grads[0] if n.startswith("indexer"))
     for n in grads[0]:
         assert torch.equal(grads[0][n], grads[1][n]), n
+
+
+def test_indexer_training_knobs_do_not_change_the_architecture():
+    """A checkpoint (the released one: no KL loss; or a dense warm-up run) continues with other indexer
+    training knobs; a different top-k is another model."""
+    from lockstep.models.hf.config_io import check_same_architecture
+
+    base = model_config("deepseek_v32", "debug")
+
+    def with_indexer(**changes):
+        att = base.attention
+        return dataclasses.replace(base, attention=dataclasses.replace(
+            att, indexer=dataclasses.replace(att.indexer, **changes)))
+
+    check_same_architecture(with_indexer(stage="dense"), with_indexer(loss_weight=1.0), "checkpoint")
+    with pytest.raises(ConfigError, match=r"model.attention.indexer.topk"):
+        check_same_architecture(base, with_indexer(topk=16), "checkpoint")
