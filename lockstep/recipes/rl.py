@@ -7,6 +7,8 @@
   SFT, then DAPO (GRPO advantages, clip-higher, token-level loss, flat groups filtered) raises its
   greedy pass rate on held-out task seeds.
 - ``rl-smollm2``: SmolLM2-135M-Instruct (real weights) on reasoning-gym arithmetic with GRPO.
+- ``rl-long-prompt``: ``rl-debug`` with prompts of ~3.5k tokens (the echo task behind a long
+  filler document), prefilled in chunks of 512 tokens (``engine.prefill_chunk``).
 - ``rl-qwen35-tiny``: a random Qwen3.5 MoE ``tiny-moe`` (Gated DeltaNet hybrid) on the echo task in
   batch-invariant mode: trainer and generator log-probabilities agree exactly (docs/hybrid.md).
 """
@@ -46,6 +48,18 @@ def rl_debug() -> RLConfig:
         workers=WorkersConfig(generators=1, max_offpolicy_steps=0),
         output=RLOutputConfig(progress=False),
     )
+
+
+@recipe("rl-long-prompt", "RL with ~3.5k-token prompts on this CPU: rl-debug's model (context 4096) on the echo "
+        "task behind a long document, chunked prefill")
+def rl_long_prompt() -> RLConfig:
+    cfg = rl_debug()
+    cfg.steps = 2
+    cfg.model.max_seq_len = 4096
+    cfg.task = TaskConfig(env="echo", groups_per_step=1, options={"preamble_words": 2400})
+    cfg.rollout.group_size = 4
+    cfg.engine = EngineConfig(cache_memory_mb=64, max_batch_size=8, max_prefill_tokens=16384, prefill_chunk=512)
+    return cfg
 
 
 @recipe("rl-qwen35-tiny", "RL on a random Qwen3.5 MoE tiny (Gated DeltaNet hybrid) on the echo task, "

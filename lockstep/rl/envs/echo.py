@@ -29,7 +29,11 @@ class EchoEnv:
     def reset(self, seed: int) -> Task:
         rng = random.Random(seed)
         target = " ".join(rng.choice(WORDS) for _ in range(self.config.words))
-        messages = [{"role": "user", "content": f"Repeat exactly: {target}"}]
+        content = f"Repeat exactly: {target}"
+        if self.config.preamble_words:  # long-prompt runs: a document to read past, then the instruction
+            document = " ".join(rng.choice(WORDS) for _ in range(self.config.preamble_words))
+            content = f"{document}\n\n{content}"
+        messages = [{"role": "user", "content": content}]
         return Task(messages=messages, answer=target, data={"target": target}, task_id=f"echo#{seed}")
 
     def step(self, task: Task, response: str) -> StepResult:
@@ -45,8 +49,12 @@ class EchoConfig(Config):
 
     #: words to repeat
     words: int = 3
+    #: words of random filler text before the instruction (0: none): long prompts at no cost to the task
+    preamble_words: int = 0
 
     def validate(self, path: str = "environment") -> None:
+        require(isinstance(self.preamble_words, int) and self.preamble_words >= 0, f"{path}.preamble_words",
+                f"must be an integer >= 0, got {self.preamble_words!r}")
         require(isinstance(self.words, int) and self.words >= 1, f"{path}.words", f"must be an integer >= 1, got {self.words!r}")
 
     def build(self) -> EchoEnv:
