@@ -92,6 +92,32 @@ def _width(cfg: TrainerConfig, arg: str | None) -> TrainerConfig:
     return dataclasses.replace(cfg, model=dataclasses.replace(m, dim=dim, ffn_dim=ffn))
 
 
+def _with_indexer(cfg: TrainerConfig, name: str, **changes) -> TrainerConfig:
+    """The model with its (model-wide) sparse indexer's fields changed (DeepSeek-V3.2)."""
+    att = cfg.model.attention
+    if getattr(att, "indexer", None) is None:
+        raise ConfigError(f"--transform {name}: model.attention has no sparse indexer (a deepseek_v32 model has one)")
+    att = dataclasses.replace(att, indexer=dataclasses.replace(att.indexer, **changes))
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention=att))
+
+
+@transform("indexer_loss", "indexer_loss=W: weight of the sparse indexer's KL loss (deepseek_v32; 0 = off)")
+def _indexer_loss(cfg: TrainerConfig, arg: str | None) -> TrainerConfig:
+    try:
+        weight = float(arg) if arg is not None else -1.0
+    except ValueError:
+        weight = -1.0
+    if weight < 0:
+        raise ConfigError(f"--transform indexer_loss=W: W must be a number >= 0, got {arg!r}")
+    return _with_indexer(cfg, "indexer_loss", loss_weight=weight)
+
+
+@transform("indexer_warmup", "deepseek_v32 dense warm-up: dense attention, the indexer learns it (KL weight 1 if off)")
+def _indexer_warmup(cfg: TrainerConfig, arg: str | None) -> TrainerConfig:
+    weight = getattr(cfg.model.attention, "indexer", None) and cfg.model.attention.indexer.loss_weight
+    return _with_indexer(cfg, "indexer_warmup", stage="dense", loss_weight=weight or 1.0)
+
+
 @transform("reference_attention", "use the plain reference attention kernel in every layer")
 def _reference_attention(cfg: TrainerConfig, arg: str | None) -> TrainerConfig:
     override = ComponentOverride(

@@ -210,3 +210,19 @@ def test_indexer_training_knobs_do_not_change_the_architecture():
     check_same_architecture(with_indexer(stage="dense"), with_indexer(loss_weight=1.0), "checkpoint")
     with pytest.raises(ConfigError, match=r"model.attention.indexer.topk"):
         check_same_architecture(base, with_indexer(topk=16), "checkpoint")
+
+
+def test_cli_transforms_set_the_indexer_knobs():
+    from lockstep.recipes.registry import get_recipe
+    from lockstep.recipes.transforms import apply_transform
+
+    cfg = get_recipe("debug-deepseek-v32").config()
+    assert cfg.model.attention.indexer.loss_weight == 1.0
+    off = apply_transform(cfg, "indexer_loss=0")
+    assert off.model.attention.indexer.loss_weight == 0.0 and off.transforms == ["indexer_loss=0"]
+    warm = apply_transform(off, "indexer_warmup")
+    assert (warm.model.attention.indexer.stage, warm.model.attention.indexer.loss_weight) == ("dense", 1.0)
+    with pytest.raises(ConfigError, match="indexer_loss=W"):
+        apply_transform(cfg, "indexer_loss=-2")
+    with pytest.raises(ConfigError, match="model.attention has no sparse indexer"):
+        apply_transform(get_recipe("debug-deepseek").config(), "indexer_warmup")
