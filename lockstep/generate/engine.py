@@ -6,8 +6,10 @@ there is no second model class. Each :meth:`Engine.step`:
 
 1. admits waiting requests that fit (:mod:`lockstep.generate.scheduler`);
 2. prefills the admitted prompts in one padded batch (``[B, longest prompt]``; padding tokens
-   write to the cache's null block and are never attended) and samples each one's first token;
-3. runs one batched decode step (``[B, 1]``) for every running sequence;
+   write to the cache's null block and are never attended; in chunks with ``prefill_chunk``,
+   :mod:`lockstep.generate.prefill`) and samples each one's first token;
+3. runs one batched decode step (``[B, 1]``) for every running sequence (with ``speculative="mtp"``
+   a verify forward of MTP drafts instead, :mod:`lockstep.generate.speculative`);
 4. releases finished sequences (their blocks return to the pool).
 
 Only the last position of each sequence goes through the output head. ``compile_decode`` wraps the

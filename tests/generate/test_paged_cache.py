@@ -8,6 +8,7 @@ import torch
 from lockstep.config.base import ConfigError
 from lockstep.generate import EngineConfig, Request, SamplingParams
 from lockstep.generate.cache import NULL_BLOCK, BlockAllocator, PagedKVCache
+from lockstep.generate.prefill import prefill
 
 from .conftest import engine_for, prompts, tiny_model
 
@@ -55,7 +56,7 @@ def test_block_tables_and_slots_follow_positions():
     tables = engine._block_tables(admitted, 2)
     assert tables[0].tolist() == admitted[0].blocks[:2].tolist()
     assert tables[1].tolist() == [admitted[1].blocks[0].item(), NULL_BLOCK]  # padded with the null block
-    engine._prefill(admitted)
+    prefill(engine, admitted)
     k_pool = engine.cache.layer("0").pools[0]
     with torch.no_grad():
         attn = model.layers["0"].attention
