@@ -110,5 +110,5 @@ def test_sparse_selection_matters_in_generation(model_and_reference):
         cfg.attention, indexer=dataclasses.replace(cfg.attention.indexer, topk=512)))
     dense = type(model)(dense_cfg).eval()
     dense.load_state_dict(model.state_dict())
-    _, results = _greedy(dense, prompts, [NEW_TOKENS] * len(prompts), block_size=4)
-    assert any(r.token_ids != want for r, (want, _, _) in zip(results, reference))
+    _, results = _greedy(dense, prompts[2:], [NEW_TOKENS] * 2, block_size=4)  # the two longest prompts
+    assert any(r.token_ids != want for r, (want, _, _) in zip(results, reference[2:]))
