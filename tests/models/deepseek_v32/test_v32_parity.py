@@ -194,3 +194,20 @@ def test_config_errors_name_the_field():
     no_indexer = dataclasses.replace(ls_cfg, attention=dataclasses.replace(ls_cfg.attention, indexer=None))
     with pytest.raises(ConfigError, match="model.attention.indexer"):
         adapter.config_to_hf(no_indexer)
+
+
+def test_mtp_block_indexer_round_trips_in_deepseek_layout():
+    """An MTP depth's block has its own indexer: written as ``model.layers.{n_layers}.self_attn.indexer.*``
+    (DeepSeek's checkpoint layout) and read back bitwise."""
+    from lockstep.models.registry import model_config
+
+    cfg = model_config("deepseek_v32", "debug")
+    assert cfg.n_mtp == 1
+    model = build_model(cfg, seed=3)
+    adapter = DeepSeekV32Adapter()
+    state = model.state_dict()
+    hf_state = adapter.state_to_hf(state, cfg)
+    assert "model.layers.3.self_attn.indexer.weights_proj.weight" in hf_state
+    back = adapter.state_from_hf(hf_state, cfg)
+    assert back.keys() == state.keys()
+    assert all(torch.equal(back[k], state[k]) for k in state)
