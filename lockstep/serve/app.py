@@ -28,8 +28,12 @@ from lockstep.serve.loop import EngineLoop, Failure, Handle, QueueFull, Servable
 from lockstep.serve.protocol import ApiError, ChatBody, CompletionBody, parse_body
 from lockstep.serve.responses import Formatter, Prepared
 
-#: completions' max_tokens when the request gives none (OpenAI's default); chat defaults to the rest of the context
+#: completions' max_tokens when the request gives none (OpenAI's default)
 DEFAULT_COMPLETION_TOKENS = 16
+#: chat's max_tokens when the request gives none (capped by the rest of the context). OpenAI's is
+#: unlimited, but the engine reserves KV-cache blocks for each request's worst case when it admits
+#: it, so "the rest of a long context" would let only a few chats run at once
+DEFAULT_CHAT_TOKENS = 1024
 #: seconds between checks that a waiting client is still connected
 DISCONNECT_POLL_S = 0.5
 
@@ -46,11 +50,12 @@ class Server:
     """The state behind the routes: engine loop, tokenizer, chat template, served model name."""
 
     def __init__(self, engine: ServableEngine, *, model_name: str, chat_template: Any = None,
-                 stop_token_ids: list[int] | None = None, max_batch_size: int = 32, max_queue: int = 64) -> None:
+                 stop_token_ids: list[int] | None = None, max_batch_size: int = 32, max_queue: int = 64,
+                 default_chat_tokens: int = DEFAULT_CHAT_TOKENS) -> None:
         if engine.tokenizer is None:
             raise ValueError("serve: the engine needs a tokenizer (text in, text out)")
         self.engine, self.tokenizer, self.chat_template = engine, engine.tokenizer, chat_template
-        self.model_name = model_name
+        self.model_name, self.default_chat_tokens = model_name, default_chat_tokens
         self.stop_token_ids = list(stop_token_ids or [])
         self.loop = EngineLoop(engine, max_batch_size=max_batch_size, max_queue=max_queue)
         self.limit = context_limit(engine)
@@ -78,10 +83,10 @@ class Server:
             raise ApiError(400, f"{field}: the prompt has {len(ids)} tokens; the context holds {self.limit} "
                                 f"(prompt + max_tokens), so nothing is left to generate", field)
 
-    def _max_tokens(self, requested: int | None, n_prompt: int, default: int | None) -> int:
+    def _max_tokens(self, requested: int | None, n_prompt: int, default: int) -> int:
         room = self.limit - n_prompt
         if requested is None:
-            return min(default, room) if default is not None else room
+            return min(default, room)
         if requested > room:
             raise ApiError(400, f"max_tokens: {requested} new tokens and the prompt's {n_prompt} exceed the context "
                                 f"of {self.limit} tokens; at most {room} fit", "max_tokens")
@@ -122,7 +127,7 @@ class Server:
                 text = text[:end + len(final)]
         ids = list(self.tokenizer.encode(text))
         self._check_prompt_ids(ids, "messages")
-        max_new = self._max_tokens(body.requested_max_tokens, len(ids), None)
+        max_new = self._max_tokens(body.requested_max_tokens, len(ids), self.default_chat_tokens)
         top = body.top_logprobs or 0
         prep = Prepared("chat", model, ids, top, body.logprobs, body.return_token_ids,
                         bool(body.stream_options and body.stream_options.include_usage), self._stop_ids(body),
@@ -227,11 +232,12 @@ async def _stream(server: Server, handle: Handle, fmt: Formatter, first: TokenEv
 
 
 def create_app(engine: ServableEngine, *, model_name: str = "lockstep", chat_template: Any = None,
-               stop_token_ids: list[int] | None = None, max_batch_size: int = 32, max_queue: int = 64) -> FastAPI:
+               stop_token_ids: list[int] | None = None, max_batch_size: int = 32, max_queue: int = 64,
+               default_chat_tokens: int = DEFAULT_CHAT_TOKENS) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (see the module docstring). ``app.state.server`` is
     the :class:`Server` (its ``loop.stats`` holds the batching counters)."""
     server = Server(engine, model_name=model_name, chat_template=chat_template, stop_token_ids=stop_token_ids,
-                    max_batch_size=max_batch_size, max_queue=max_queue)
+                    max_batch_size=max_batch_size, max_queue=max_queue, default_chat_tokens=default_chat_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-queue", type=int, default=64,
                         help="most requests waiting beyond the running batch; one more is answered 429")
     parser.add_argument("--cache-mb", type=float, default=512.0, help="KV-cache memory in MiB")
+    parser.add_argument("--default-max-tokens", type=int, default=1024,
+                        help="a chat request's max_tokens when it gives none (capped by the context; the engine "
+                             "reserves cache blocks for every request's max_tokens)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                         help="weight dtype (auto: as stored)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
@@ -63,6 +66,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--max-queue: must be >= 0, got {args.max_queue}")
     if args.cache_mb <= 0:
         raise ConfigError(f"--cache-mb: must be > 0, got {args.cache_mb}")
+    if args.default_max_tokens < 1:
+        raise ConfigError(f"--default-max-tokens: must be >= 1, got {args.default_max_tokens}")
     if args.step is not None and args.step < 0:
         raise ConfigError(f"--step: must be >= 0, got {args.step}")
     if args.served_model_name is not None and not args.served_model_name.strip():
@@ -118,7 +123,7 @@ def cmd_serve(argv: list[str]) -> int:
     name = args.served_model_name or Path(args.checkpoint).expanduser().name or str(args.checkpoint)
     app = create_app(engine, model_name=name, chat_template=source.chat_template,
                      stop_token_ids=source.stop_token_ids, max_batch_size=args.max_batch_size,
-                     max_queue=args.max_queue)
+                     max_queue=args.max_queue, default_chat_tokens=args.default_max_tokens)
     print(f"lockstep serve: {source.description} as {name!r} ({args.engine} engine) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     run_server(app, args.host, args.port, args.log_level)

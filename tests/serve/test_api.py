@@ -158,3 +158,12 @@ def test_concurrent_requests_all_finish_and_are_batched(client, server, referenc
     # default), so no token equality here; each answer's text is its own tokens' text
     for out in outs:
         assert out.choices[0].text == source.tokenizer.decode(out.choices[0].token_ids)
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(client, reference):
+    # the default (1024) is capped by the rest of the tiny model's 512-token context
+    ids = chat_ids(reference, MESSAGES)
+    out = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 512 - len(ids)

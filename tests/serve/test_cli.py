@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--max-batch-size", "0"], "--max-batch-size: must be >= 1"),
     (["--max-queue", "-1"], "--max-queue: must be >= 0"),
     (["--cache-mb", "0"], "--cache-mb: must be > 0"),
+    (["--default-max-tokens", "0"], "--default-max-tokens: must be >= 1"),
     (["--served-model-name", " "], "--served-model-name: must not be empty"),
 ])
 def test_bad_flags_fail_before_loading(model_dir, capsys, flags, message):
