@@ -103,9 +103,12 @@ def test_streaming_completion_concatenates_to_the_whole_response(client, referen
 def test_streaming_chat(client, reference):
     want = engine_run(reference, chat_ids(reference, MESSAGES), max_new_tokens=8, temperature=0)
     chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=8, temperature=0,
-                                                 stream=True))
+                                                 stream=True, logprobs=True, top_logprobs=1))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    entries = [e for c in chunks[1:] for e in c.choices[0].logprobs.content]  # one token per chunk with logprobs
+    assert [e.logprob for e in entries] == want.logprobs
+    assert all(e.top_logprobs[0].logprob == e.logprob for e in entries)
     assert chunks[-1].choices[0].finish_reason == "length"
     assert len({c.id for c in chunks}) == 1 and chunks[0].object == "chat.completion.chunk"
 
