@@ -141,10 +141,11 @@ def main() -> None:
     for name, r in results.items():
         rel = r["final_val_loss"] / base["final_val_loss"] - 1 if base else float("nan")
         slow = r["median_step_s"] / base["median_step_s"] if base else float("nan")
-        cpu = r["cpu_s_per_step"] / base["cpu_s_per_step"] if base else float("nan")
+        cpu_s = r.get("cpu_s_per_step", float("nan"))  # absent from runs that stopped early
+        cpu = cpu_s / base.get("cpu_s_per_step", float("nan")) if base else float("nan")
         ok = "-" if name == "bf16" or not base else ("yes" if abs(rel) <= TOLERANCE else "NO")
         print(f"{name:<12} {r['converted_layers']:>6} {r['final_val_loss']:>10.4f} {rel:>+9.2%} "
-              f"{r['median_step_s']:>8.3f} {slow:>12.2f} {r['cpu_s_per_step']:>10.3f} {cpu:>10.2f} {ok}")
+              f"{r['median_step_s']:>8.3f} {slow:>12.2f} {cpu_s:>10.3f} {cpu:>10.2f} {ok}")
     print(f"\nplot: {args.png}; results: {args.out}/<variant>.json")
 
 
