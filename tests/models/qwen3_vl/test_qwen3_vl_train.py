@@ -109,3 +109,22 @@ def test_packed_loader_mixes_text_and_images_and_resumes():
     assert not torch.equal(first[0].tokens, first[1].tokens)
     with pytest.raises(ValueError, match="seq_len=16"):
         pack(samples[:1], ids, PROCESSOR, pad_id=0, seq_len=16)
+
+
+def test_config_errors_name_the_field():
+    from lockstep.config.base import ConfigError
+    from lockstep.models.common.mrope import MRopeConfig
+
+    cfg = model_config("qwen3_vl", "debug")
+    bad = [
+        (dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, num_position_embeddings=60)),
+         "model.vision.num_position_embeddings"),
+        (dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision, deepstack_layers=[0, 5])),
+         "model.vision.deepstack_layers"),
+        (dataclasses.replace(cfg, image_token_id=cfg.vocab_size), "model.image_token_id"),
+        (dataclasses.replace(cfg, rope=MRopeConfig(mrope_section=[2, 3])), "model.rope.mrope_section"),
+        (dataclasses.replace(cfg, rope=MRopeConfig(mrope_section=[4, 3, 3])), "model.rope.mrope_section"),
+    ]
+    for config, field in bad:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            build_model(config)
