@@ -80,31 +80,15 @@ def expand_markers(tokens: Sequence[int], counts: Sequence[int], ids: VisionToke
 
 def collate(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessorConfig, pad_id: int,
             seq_len: int | None = None) -> ImageTextBatch:
-    """One right-padded batch (module docstring). ``seq_len``: the row length (default: the longest
-    row); a longer row is an error naming the sample -- cutting it could split an image."""
-    rows, pixels, grids = [], [], []
-    for index, sample in enumerate(samples):
-        processed = preprocess_images(sample.images, processor) if sample.images else None
-        counts = processed.tokens_per_image(processor.merge_size) if processed else []
-        try:
-            rows.append(expand_markers(sample.tokens, counts, ids))
-        except ValueError as err:
-            raise ValueError(f"samples[{index}]: {err}") from None
-        if processed is not None:
-            pixels.append(torch.from_numpy(processed.pixel_values))
-            grids.append(torch.from_numpy(processed.grid_thw))
+    """One right-padded batch, a row per sample (module docstring). ``seq_len``: the row length (default:
+    the longest row); a longer row is an error naming the sample -- cutting it could split an image."""
+    expanded = _expand_all(samples, ids, processor)
+    rows = [row for row, _, _ in expanded]
     width = seq_len or max(len(r) for r in rows)
     too_long = [i for i, r in enumerate(rows) if len(r) > width]
     if too_long:
         raise ValueError(f"samples{too_long}: longer than seq_len={width} after expanding their images")
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    targets = torch.full((len(rows), width), IGNORE, dtype=torch.long)
-    for b, row in enumerate(rows):
-        tokens[b, :len(row)] = torch.tensor(row)
-        nxt = torch.tensor(row[1:], dtype=torch.long)
-        targets[b, :len(row) - 1] = nxt.masked_fill(nxt == ids.image_token_id, IGNORE)
-    return ImageTextBatch(tokens, targets, torch.cat(pixels) if pixels else None,
-                          torch.cat(grids) if grids else None)
+    return _batch(rows, expanded, ids, pad_id, width)
 
 
 def _expanded(sample: ImageTextSample, ids: VisionTokens, processor: ImageProcessorConfig
@@ -117,34 +101,46 @@ def _expanded(sample: ImageTextSample, ids: VisionTokens, processor: ImageProces
     return row, torch.from_numpy(processed.pixel_values), torch.from_numpy(processed.grid_thw)
 
 
+def _expand_all(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessorConfig
+                ) -> list[tuple[list[int], torch.Tensor | None, torch.Tensor | None]]:
+    out = []
+    for index, sample in enumerate(samples):
+        try:
+            out.append(_expanded(sample, ids, processor))
+        except ValueError as err:
+            raise ValueError(f"samples[{index}]: {err}") from None
+    return out
+
+
+def _batch(rows: list[list[int]], expanded: list[tuple[list[int], torch.Tensor | None, torch.Tensor | None]],
+           ids: VisionTokens, pad_id: int, width: int) -> ImageTextBatch:
+    """Rows right-padded to ``width``, their targets, and the images of ``expanded`` in order."""
+    tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    targets = torch.full((len(rows), width), IGNORE, dtype=torch.long)
+    for b, row in enumerate(rows):
+        tokens[b, :len(row)] = torch.tensor(row, dtype=torch.long)
+        nxt = torch.tensor(row[1:], dtype=torch.long)
+        targets[b, :len(row) - 1] = nxt.masked_fill(nxt == ids.image_token_id, IGNORE)
+    pixels = [p for _, p, _ in expanded if p is not None]
+    grids = [g for _, _, g in expanded if g is not None]
+    return ImageTextBatch(tokens, targets, torch.cat(pixels) if pixels else None, torch.cat(grids) if grids else None)
+
+
 def pack(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessorConfig, pad_id: int,
          seq_len: int) -> ImageTextBatch:
     """Whole samples, in order, packed greedily into rows of ``seq_len`` (a sample that does not fit
     starts the next row; the rest of a row is padding). Samples in one row follow each other as in
     the text :class:`~lockstep.data.loader.PackedLoader` (causal attention across them); an image is
     never split. Targets as in :func:`collate`."""
+    expanded = _expand_all(samples, ids, processor)
     rows: list[list[int]] = [[]]
-    pixels, grids = [], []
-    for index, sample in enumerate(samples):
-        try:
-            row, pixel_values, grid_thw = _expanded(sample, ids, processor)
-        except ValueError as err:
-            raise ValueError(f"samples[{index}]: {err}") from None
+    for index, (row, _, _) in enumerate(expanded):
         if len(row) > seq_len:
             raise ValueError(f"samples[{index}]: {len(row)} tokens after expanding its images > seq_len={seq_len}")
         if len(rows[-1]) + len(row) > seq_len:
             rows.append([])
         rows[-1].extend(row)
-        if pixel_values is not None:
-            pixels.append(pixel_values)
-            grids.append(grid_thw)
-    tokens = torch.full((len(rows), seq_len), pad_id, dtype=torch.long)
-    targets = torch.full((len(rows), seq_len), IGNORE, dtype=torch.long)
-    for b, row in enumerate(rows):
-        tokens[b, :len(row)] = torch.tensor(row, dtype=torch.long)
-        nxt = torch.tensor(row[1:], dtype=torch.long)
-        targets[b, :len(row) - 1] = nxt.masked_fill(nxt == ids.image_token_id, IGNORE)
-    return ImageTextBatch(tokens, targets, torch.cat(pixels) if pixels else None, torch.cat(grids) if grids else None)
+    return _batch(rows, expanded, ids, pad_id, seq_len)
 
 
 class ImageTextLoader:
