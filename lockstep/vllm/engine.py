@@ -41,7 +41,7 @@ from lockstep.generate.engine import tokenizer_eos_id
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
 from lockstep.models.hf.io import resolve_dtype
 from lockstep.vllm import DIE_WITH_PARENT, configure_environment, register
-from lockstep.vllm.model import check_supported
+from lockstep.vllm.model import check_supported, padded_head_size
 from lockstep.vllm.model_dir import write_model_dir
 
 _instances = itertools.count()
@@ -86,6 +86,12 @@ class VllmEngine:
         weights_dtype = resolve_dtype(None if config.weights_dtype == "model" else config.weights_dtype)
         self.dtype = weights_dtype or model.tok_embeddings.weight.dtype
         self.vocab_size, self.max_seq_len = model.config.vocab_size, model.config.max_seq_len
+        #: the longest sequence vLLM takes: the model's context, or what the KV cache holds if less (vLLM
+        #: refuses to start when one sequence of max_model_len does not fit)
+        self.context = min(self.max_seq_len, _cache_tokens(model, self.dtype, config.cache_memory_mb))
+        if self.context < 1:
+            raise ConfigError(f"engine.cache_memory_mb: {config.cache_memory_mb} MiB holds no token of this model's "
+                              f"KV cache")
         self.eos_id = tokenizer_eos_id(tokenizer) if tokenizer is not None else None
         self._dir = tempfile.TemporaryDirectory(prefix="lockstep-vllm-")
         write_model_dir(model.config, self.dtype, self._dir.name)
@@ -97,7 +103,7 @@ class VllmEngine:
                              "group for its own world: use separate_process=True")
         self.separate_process = separate_process
         started = time.perf_counter()
-        self.llm = _start_llm(self._dir.name, self.dtype, config, self.max_seq_len, separate_process)
+        self.llm = _start_llm(self._dir.name, self.dtype, config, self.context, separate_process)
         self.engine = self.llm.llm_engine
         if not separate_process:
             global _in_process_live
@@ -195,9 +201,10 @@ class VllmEngine:
         sp.validate("sampling")
         prompt = self._prompt_ids(request)
         n = len(prompt)
-        if n >= self.max_seq_len:
+        if n >= self.context:
             raise ConfigError(f"Request.prompt_ids: the prompt has {n} tokens; vLLM needs it shorter than the "
-                              f"model's context (model.max_seq_len={self.max_seq_len})")
+                              f"model's context (model.max_seq_len={self.max_seq_len}) and the KV cache "
+                              f"({self.context} tokens in engine.cache_memory_mb={self.config.cache_memory_mb})")
         if sp.stop and self.tokenizer is None:
             raise ConfigError("sampling.stop: stop strings need an engine with a tokenizer")
         bad = [t for t in sp.stop_token_ids if t >= self.vocab_size]
@@ -208,7 +215,7 @@ class VllmEngine:
             stop_ids.add(self.eos_id)
         params = VllmSamplingParams(
             temperature=sp.temperature, top_k=sp.top_k if sp.top_k > 0 else 0, top_p=sp.top_p, seed=sp.seed,
-            max_tokens=min(sp.max_new_tokens, self.max_seq_len - n), stop_token_ids=sorted(stop_ids),
+            max_tokens=min(sp.max_new_tokens, self.context - n), stop_token_ids=sorted(stop_ids),
             ignore_eos=True, logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
         return _Sequence(seq_id, request, prompt, TextTracker(self.tokenizer, sp.stop), frozenset(stop_ids)), params
 
@@ -305,14 +312,21 @@ class _CacheInfo:
     capacity_tokens: int
 
 
+def _cache_tokens(model: nn.Module, dtype: torch.dtype, cache_memory_mb: float) -> int:
+    """Tokens ``cache_memory_mb`` holds in vLLM's cache for ``model`` (keys and values at the padded head
+    size, :mod:`lockstep.vllm.model`), rounded down to whole 256-token blocks of any vLLM CPU block size."""
+    per_token = sum(2 * lay.heads * padded_head_size(max(lay.key_dim, lay.value_dim))
+                    for lay in check_supported(model).values()) * dtype.itemsize
+    return int(cache_memory_mb * 2**20 // per_token) // 256 * 256
+
+
 def _capacity_tokens(llm: Any, model: nn.Module, dtype: torch.dtype, config: EngineConfig) -> int:
     """vLLM's KV-cache blocks x block size; where vLLM does not tell (it sized the cache in another
-    process), the configured bytes over lockstep's bytes per token."""
+    process), the estimate of :func:`_cache_tokens`."""
     cache = llm.llm_engine.vllm_config.cache_config
     if cache.num_gpu_blocks:
         return int(cache.num_gpu_blocks * cache.block_size)
-    per_token = sum(lay.elements_per_token() for lay in check_supported(model).values()) * dtype.itemsize
-    return int(config.cache_memory_mb * 2**20 // per_token)
+    return _cache_tokens(model, dtype, config.cache_memory_mb)
 
 
 def _prepare_numerics(batch_invariant: bool, separate_process: bool, vllm_model: nn.Module) -> None:
@@ -332,7 +346,8 @@ def _finish_reason(vllm_reason: str | None) -> str:
     return {"stop": "stop", "length": "length", "abort": "abort"}.get(vllm_reason or "", "length")
 
 
-def _start_llm(path: str, dtype: torch.dtype, config: EngineConfig, max_seq_len: int, separate_process: bool) -> Any:
+def _start_llm(path: str, dtype: torch.dtype, config: EngineConfig, max_model_len: int, separate_process: bool
+               ) -> Any:
     """vLLM's ``LLM`` on the model directory. In this process, vLLM pins torch's intra-op threads to one
     and replaces ``torch.set_num_threads`` while it starts: both are put back. In a separate process
     (spawned: a fork would inherit this one's torch.distributed state), the weights travel by
@@ -354,7 +369,7 @@ def _start_llm(path: str, dtype: torch.dtype, config: EngineConfig, max_seq_len:
                    load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
                    max_num_seqs=config.max_batch_size,
                    max_num_batched_tokens=max(config.max_prefill_tokens, config.max_batch_size),
-                   max_model_len=max_seq_len, kv_cache_memory_bytes=int(config.cache_memory_mb * 2**20),
+                   max_model_len=max_model_len, kv_cache_memory_bytes=int(config.cache_memory_mb * 2**20),
                    logprobs_mode="processed_logprobs", seed=0)
     finally:
         torch.set_num_threads = set_threads
