@@ -16,6 +16,7 @@ from lockstep.config.base import ALLOW_INF, Config, ConfigError, require, requir
 from lockstep.config.run import RunConfig
 from lockstep.data.config import DataConfig
 from lockstep.generate.config import EngineConfig, SamplingParams
+from lockstep.models.common.sparse_indexer import refuse_batch_invariant
 from lockstep.models.common.transformer import TransformerConfig
 from lockstep.numerics import NumericsConfig
 from lockstep.parallel.dims import ParallelConfig
@@ -265,6 +266,7 @@ class RLConfig(RunConfig):
                      "sft", "workers", "liveness", "parallel", "checkpoint", "numerics", "output"):
             getattr(self, name).validate(name)
         require_batch_invariant_on_cpu(self.numerics, self.training.device)  # trainer and generators
+        refuse_batch_invariant(self.model, self.numerics.batch_invariant)
         self._check_trainer_layout()
         require(self.lr_schedule.warmup_steps <= self.steps, "lr_schedule.warmup_steps",
                 f"must be <= steps={self.steps}, got {self.lr_schedule.warmup_steps}")

@@ -11,6 +11,7 @@ from lockstep.config.run import RunConfig
 from lockstep.convert.config import LowPrecisionConfig
 from lockstep.data.config import DataConfig
 from lockstep.graph.config import GraphConfig, check_graph_layout
+from lockstep.models.common.sparse_indexer import refuse_batch_invariant
 from lockstep.models.common.transformer import TransformerConfig
 from lockstep.numerics import NumericsConfig
 from lockstep.parallel.checkpointing import ActivationCheckpointConfig
@@ -204,6 +205,7 @@ class TrainerConfig(RunConfig):
         self.low_precision.validate("low_precision")
         self.low_precision.check_run(batch_invariant=self.numerics.batch_invariant, mode=self.training.mode,
                                      tp=self.parallel.tp, ep=self.parallel.ep)
+        refuse_batch_invariant(self.model, self.numerics.batch_invariant)
         if self.numerics.batch_invariant:
             require(self.parallel.tp == 1 and self.parallel.cp == 1 and self.parallel.pp == 1,
                     "numerics.batch_invariant", "is supported without tensor, context or pipeline parallelism "

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lockstep.config.base import Config, require, require_choice, require_positive
+from lockstep.config.base import Config, ConfigError, require, require_choice, require_positive
 from lockstep.models.common.moe import _recomputing
 from lockstep.models.common.rope import apply_rotary
 
@@ -187,10 +187,24 @@ def causal_allowed(seq: int, device: torch.device | str) -> torch.Tensor:
     return (idx[None, :] <= idx[:, None])[None, None]
 
 
+def refuse_batch_invariant(model: Config, batch_invariant: bool) -> None:
+    """ConfigError naming ``numerics.batch_invariant`` when a model with a sparse indexer (any slot of
+    ``model``, a TransformerConfig) would run batch-invariant: checked with the run's config, before any
+    work (the forward refuses too, naming the op)."""
+    if not batch_invariant:
+        return
+    for path, slot in model.slots().items():
+        if getattr(slot, "indexer", None) is not None:
+            raise ConfigError(f"numerics.batch_invariant: not supported with DeepSeek-V3.2's sparse indexer "
+                              f"(model {path}.indexer; op 'sparse_indexer.topk_mask': the top-k selection feeds a "
+                              "masked MLA attention the batch_invariant kernel cannot take, docs/numerics.md); "
+                              "set numerics.batch_invariant=false")
+
+
 def param_count(config: SparseIndexerConfig, dim: int, q_lora_rank: int) -> int:
     """Weights of one indexer (LayerNorm weight and bias included)."""
     return (q_lora_rank * config.n_heads * config.head_dim + dim * config.head_dim + 2 * config.head_dim
             + dim * config.n_heads)
 
 
-__all__ = ["STAGES", "SparseIndexer", "SparseIndexerConfig", "causal_allowed", "param_count"]
+__all__ = ["STAGES", "SparseIndexer", "SparseIndexerConfig", "causal_allowed", "param_count", "refuse_batch_invariant"]

@@ -226,3 +226,18 @@ def test_cli_transforms_set_the_indexer_knobs():
         apply_transform(cfg, "indexer_loss=-2")
     with pytest.raises(ConfigError, match="model.attention has no sparse indexer"):
         apply_transform(get_recipe("debug-deepseek").config(), "indexer_warmup")
+
+
+def test_batch_invariant_run_configs_refuse_the_indexer():
+    """Trainer and RL configs refuse batch-invariant mode with an indexer at validation, naming the field."""
+    from lockstep.recipes.registry import get_recipe
+    from lockstep.rl.config import RLConfig
+
+    cfg = get_recipe("debug-deepseek-v32").config()
+    cfg.validate()
+    on = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, batch_invariant=True))
+    with pytest.raises(ConfigError, match=r"^numerics.batch_invariant: .*layers.0.attention.indexer.*topk_mask"):
+        on.validate()
+    rl = RLConfig(model=cfg.model, numerics=on.numerics)
+    with pytest.raises(ConfigError, match=r"^numerics.batch_invariant: .*sparse indexer"):
+        rl.validate()
