@@ -77,8 +77,8 @@ def debug_deepseek() -> TrainerConfig:
     return cfg
 
 
-@recipe("debug-deepseek-v32", "tiny deepseek_v32 (deepseek_v3 + sparse-attention indexer, its KL loss on) on Shakespeare, "
-                               "for tests")
+@recipe("debug-deepseek-v32",
+        "tiny deepseek_v32 (deepseek_v3 + sparse-attention indexer, its KL loss on) on Shakespeare, for tests")
 def debug_deepseek_v32() -> TrainerConfig:
     cfg = debug()
     cfg.model = model_config("deepseek_v32", "debug")
