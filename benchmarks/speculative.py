@@ -10,7 +10,10 @@ to plain decoding, the acceptance rate (drafted tokens accepted / drafted) and t
 verify forward, and checks every speculative output is token-identical to the plain one.
 
     .venv/bin/python benchmarks/speculative.py [--train-steps 400] [--draft-tokens 1,2,3]
-        [--batches 1,8] [--new-tokens 64] [--rounds 3] [--model-path /tmp/lockstep-dsv3-mtp.pt]
+        [--batches 1,8] [--new-tokens 64] [--rounds 3] [--model-path /tmp/lockstep-dsv3-mtp.pt] [--threads N]
+
+Training saves ``<model-path>.step<N>`` every 25 steps; ``--model-path`` of such a file with
+``--train-steps N`` benchmarks that checkpoint (a run cut short on a busy host).
 """
 
 from __future__ import annotations
@@ -89,7 +92,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--train-only", action="store_true")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model, data = train_model(Path(args.model_path), args.train_steps)
     if args.train_only:
