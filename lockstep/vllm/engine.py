@@ -110,8 +110,9 @@ class VllmEngine:
             _in_process_live += 1
         #: seconds vLLM took to start (before the first weights were loaded)
         self.start_s = time.perf_counter() - started
-        #: what callers read of lockstep's KV cache (``cache.capacity_tokens``: the Rollout's context limit)
-        self.cache = _CacheInfo(_capacity_tokens(self.llm, model, self.dtype, config))
+        #: what callers read of lockstep's KV cache (``cache.capacity_tokens``: the Rollout's and chat's context
+        #: limit), capped at ``context``, the longest sequence vLLM takes
+        self.cache = _CacheInfo(min(self.context, _capacity_tokens(self.llm, model, self.dtype, config)))
         self._instance = next(_instances)
         self._next_id = 0
         self._live: dict[str, _Sequence] = {}
