@@ -12,7 +12,11 @@ RESUMABLE_CHANGES = ("steps", "stop_after", "run_dir", "resume", "checkpoint", "
                      # how the step executes, not what it computes (graph = eager bitwise; recompute
                      # reproduces the saved activations; compiled kernels are the same math)
                      "training.mode", "training.activation_checkpoint", "training.threads", "graph", "compile",
-                     "allow_unverified_weights")
+                     "allow_unverified_weights",
+                     # the GEMMs' precision (FP8/MXFP8): weights and optimizer state are full precision
+                     # either way, so a converted run continues unconverted and back (docs/numerics.md);
+                     # transforms are a record only, their effects are the fields compared above
+                     "low_precision", "transforms")
 
 
 def build_checkpointing(trainer) -> CheckpointPolicy:

@@ -91,3 +91,22 @@ def test_command_line_fields():
                              "*.wo", "--low-precision.min-elements", "0"])
     assert cfg.low_precision.format == "mxfp8" and cfg.low_precision.exclude == ["layers.0.*", "*.wo"]
     assert cfg.low_precision.min_elements == 0 and cfg.transforms == ["mxfp8"]
+
+
+def test_a_converted_runs_checkpoint_resumes_unconverted(tmp_path):
+    cfg = apply_transform(get_recipe("debug").config(), "fp8")
+    cfg = dataclasses.replace(cfg, steps=4, run_dir=str(tmp_path / "run"))
+    cfg.low_precision.min_elements = 0
+    cfg.checkpoint = dataclasses.replace(cfg.checkpoint, every=2)
+    cfg.validation = dataclasses.replace(cfg.validation, every=0)
+    cfg.output = dataclasses.replace(cfg.output, progress=False, sample_tokens=0, parity_check=False)
+    converted = Trainer(cfg).fit()
+    plain = dataclasses.replace(get_recipe("debug").config(), steps=6, run_dir=cfg.run_dir, resume=True,
+                                checkpoint=cfg.checkpoint, validation=cfg.validation, output=cfg.output)
+    resumed = Trainer(plain)
+    assert resumed.resumed["from_step"] == 4 and resumed.low_precision is None
+    saved = load_file(converted.run_dir / "model.safetensors")
+    for name, tensor in resumed.model.state_dict().items():  # the converted run's final weights, as they were
+        assert torch.equal(tensor, saved[name]), name
+    result = resumed.fit()
+    assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
