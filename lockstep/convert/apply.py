@@ -46,6 +46,8 @@ class ConversionReport:
 def _candidates(model: nn.Module) -> dict[str, nn.Module]:
     out = {}
     for path, module in model.named_modules():
+        if hasattr(module, "low_precision_format"):  # converted already
+            continue
         if isinstance(module, nn.Linear) or type(module) is GroupedExperts:
             out[path] = module
     return out

@@ -129,3 +129,11 @@ def test_float8_linears_share_the_parameters_and_keep_ties():
     assert type(model.output).__name__ == "Float8TrainingLinear"
     assert model.output.weight is model.tok_embeddings.weight
     assert {n: p for n, p in model.named_parameters()} == weights  # the same Parameter objects
+
+
+def test_converting_twice_converts_nothing_more():
+    model = _deepseek()
+    first = convert_model(model, LowPrecisionConfig(format="fp8_rowwise", min_elements=0))
+    second = convert_model(model, LowPrecisionConfig(format="mxfp8", min_elements=0))
+    assert first.converted and not second.converted
+    assert type(model.layers["0"].attention.wq).__name__ == "Float8TrainingLinear"
