@@ -136,4 +136,4 @@ def test_converting_twice_converts_nothing_more():
     first = convert_model(model, LowPrecisionConfig(format="fp8_rowwise", min_elements=0))
     second = convert_model(model, LowPrecisionConfig(format="mxfp8", min_elements=0))
     assert first.converted and not second.converted
-    assert type(model.layers["0"].attention.wq).__name__ == "Float8TrainingLinear"
+    assert type(model.layers["0"].attention.wq_a).__name__ == "Float8TrainingLinear"
