@@ -417,6 +417,10 @@ class ParallelRuntime:
             parity = matching_parity_test({"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
                                            "ep": d.ep, "pp": d.pp, "cp": d.cp}, family,
                                           config.pp_schedule, config.cp_method)
+        sharding = self._sharding()
+        if parity is not None and isinstance(sharding, dict):  # FlexShard: proven equal to FSDP2 separately
+            parity = (f"{parity} (FSDP2) + tests/parallel/test_flex_shard.py::test_flex_matches_fsdp2_world{d.dp}"
+                      if d.dp in (2, 4) else None)
         return {
             "parity_test": parity or ("untested layout for this family" if self.distributed else None),
             "world_size": self.world_size,
@@ -434,6 +438,6 @@ class ParallelRuntime:
             "expert_dispatch": describe_dispatch(config) if d.ep > 1 and config is not None else None,
             "mesh": [list(n) for n in self.dims.mesh_dims],
             "fsdp_units": "each transformer block + root" if self.dims.dp > 1 else None,
-            "sharding": self._sharding(),
+            "sharding": sharding,
             "tp_plan": "megatron col/row + sequence-parallel norms + loss-parallel head" if self.dims.tp > 1 else None,
         }

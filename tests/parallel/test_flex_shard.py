@@ -144,7 +144,13 @@ def _train(family: str, fields: dict, ac: str) -> dict:
         runtime.apply_step(optimizer)
     return {"losses": losses, "params": _full(runtime, model), "backward_gathers": backward_gathers, "norms": norms,
             "runtime": runtime, "model": model, "optimizer": optimizer,
-            "describe": runtime.describe()["sharding"]}
+            "describe": runtime.describe()["sharding"], "parity": _parity(runtime, family, fields)}
+
+
+def _parity(runtime, family: str, fields: dict) -> str | None:
+    from lockstep.parallel.dims import ParallelConfig
+
+    return runtime.describe(family, ParallelConfig(**{"dp_shard": -1, **fields}))["parity_test"]
 
 
 def _optimizer_full(model, optimizer) -> dict[str, torch.Tensor]:
@@ -273,7 +279,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, cases: list, lo
     for name, family, fields, ac in cases:
         res = _train(family, fields, ac)
         trained[name] = res
-        results["cases"][name] = {k: res[k] for k in ("losses", "params", "backward_gathers", "norms", "describe")}
+        results["cases"][name] = {k: res[k] for k in ("losses", "params", "backward_gathers", "norms", "describe", "parity")}
     mixed = next(n for n, *_ in cases if n.startswith("llama3 mixed"))
     mixed_fields = next(f for n, _, f, _ in cases if n == mixed)
     results["mixed_case"] = mixed
@@ -369,6 +375,10 @@ def test_manifest_records_buckets(world2):
     assert [b["placement"] for b in record["buckets"]] == ["block_shard(0,16)", "owned", "shard(0)"]
     assert [b["params"] for b in record["buckets"]][:2] == [6, 2 * 4]  # q/k/v x 2 layers; router + 3 experts x 2
     assert all(b["bytes_per_rank"] > 0 for b in record["buckets"])
+    # the manifest's parity test names both proofs: the FSDP2 layout's and flex == FSDP2
+    parity = world2[0]["cases"]["qwen3_moe mixed"]["parity"]
+    assert "test_layout_matches_one_process[dp_shard=2 moe]" in parity
+    assert "test_flex_shard.py::test_flex_matches_fsdp2_world2" in parity
 
 
 def test_reshard_after_forward_regathers_in_backward(world2, world4):
