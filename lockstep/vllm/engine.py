@@ -45,8 +45,9 @@ from lockstep.vllm.model import check_supported, padded_head_size
 from lockstep.vllm.model_dir import write_model_dir
 
 _instances = itertools.count()
-#: VllmEngines running in this process: the last one to close gives back the torch.distributed world
+#: VllmEngines running in this process, and the engine cores of those closed while others ran (close)
 _in_process_live = 0
+_closed_in_process: list[Any] = []
 
 
 @dataclasses.dataclass
@@ -76,6 +77,7 @@ class VllmEngine:
         """``separate_process``: run vLLM's engine core in a process of its own (spawned) instead of this
         one; None: only when this process is already in a torch.distributed job (an RL generator),
         whose process group vLLM would otherwise take for its own world."""
+        global _in_process_live
         self.config = config = config or EngineConfig()
         config.validate()
         if not hasattr(model, "trunk") or not hasattr(model, "layers"):
@@ -95,7 +97,8 @@ class VllmEngine:
         self.eos_id = tokenizer_eos_id(tokenizer) if tokenizer is not None else None
         self._dir = tempfile.TemporaryDirectory(prefix="lockstep-vllm-")
         write_model_dir(model.config, self.dtype, self._dir.name)
-        in_job = torch.distributed.is_available() and torch.distributed.is_initialized()
+        # a torch.distributed world that is not the one in-process vLLM engines set up for themselves
+        in_job = torch.distributed.is_available() and torch.distributed.is_initialized() and not _in_process_live
         if separate_process is None:
             separate_process = in_job
         if in_job and not separate_process:
@@ -106,7 +109,6 @@ class VllmEngine:
         self.llm = _start_llm(self._dir.name, self.dtype, config, self.context, separate_process)
         self.engine = self.llm.llm_engine
         if not separate_process:
-            global _in_process_live
             _in_process_live += 1
         #: seconds vLLM took to start (before the first weights were loaded)
         self.start_s = time.perf_counter() - started
@@ -126,20 +128,20 @@ class VllmEngine:
         self.load_weights()
 
     def close(self) -> None:
-        """Stop vLLM: its engine core (and processes); when it ran here and is the last to close, also the
-        torch.distributed world and model-parallel groups vLLM set up in this process (which its
-        engines share), so that the process is as before."""
+        """Stop vLLM: its engine core (and processes). vLLM's shutdown also destroys the torch.distributed
+        world and model-parallel groups it set up in this process, which every in-process engine
+        shares: so an in-process engine closed while others run is shut down with the last of them."""
         global _in_process_live
         if self.llm is None:
             return
-        self.engine.engine_core.shutdown()
-        if not self.separate_process:
+        if self.separate_process:
+            self.engine.engine_core.shutdown()
+        else:
             _in_process_live -= 1
+            _closed_in_process.append(self.engine.engine_core)
             if _in_process_live == 0:
-                from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-                destroy_model_parallel()
-                destroy_distributed_environment()
+                while _closed_in_process:
+                    _closed_in_process.pop().shutdown()
         self.llm = self.engine = None
         self._dir.cleanup()
 
