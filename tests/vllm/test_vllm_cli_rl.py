@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from lockstep.cli import main
+from lockstep.cli_rl import resolve_rl_config
+from lockstep.config.base import ConfigError
 from lockstep.data.tokenizer import train_bpe
 from lockstep.models.common.transformer import build_model
 from lockstep.models.hf import save_hf
@@ -77,3 +79,12 @@ def test_rl_debug_with_vllm_generators_follows_every_new_weights_version(tmp_pat
                for r in records)
     # fp32 trainer vs vLLM running the same modules: attention summation order only (measured <= 1e-6)
     assert all(r["logprob_diff/max"] < 1e-4 for r in records), [r["logprob_diff/max"] for r in records]
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--workers.engine", "sglang"], "workers.engine: must be one of"),
+    (["--workers.engine", "vllm", "--workers.generators", "0"], "workers.engine: 'vllm' runs in generator processes"),
+])
+def test_bad_workers_engine_is_a_config_error_naming_the_field(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_rl_config(["--recipe", "rl-debug", *flags])
