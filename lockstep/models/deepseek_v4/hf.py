@@ -1,6 +1,9 @@
 """Hugging Face interop for DeepSeek-V4 (``DeepseekV4ForCausalLM``, transformers 5.19).
 
-Tensor names are transformers' in-memory ones (``DeepseekV4ForCausalLM.state_dict()``):
+Files are written in the layout transformers' ``save_pretrained`` writes (DeepSeek's original names,
+:func:`disk_name`: ``attn.wq_a``, ``ffn.experts.{j}.w1``, ``hc_attn_fn``, ``head.weight``, ...); both
+that layout and transformers' in-memory names (``DeepseekV4ForCausalLM.state_dict()``, :func:`hf_name`)
+are read. In-memory names:
 
 ==============================================================  =============================================
 HF                                                              lockstep
@@ -45,14 +48,34 @@ _RENAMES = [  # lockstep prefix -> HF prefix, applied once each, in order
     (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
     (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."), (r"\.indexer\.compressor\.", ".indexer."),
 ]
+_DISK = [  # lockstep -> the layout transformers' save_pretrained writes (DeepSeek's original names)
+    (r"^tok_embeddings\.", "model.embed_tokens."), (r"^output\.", "head."), (r"^norm\.", "model.norm."),
+    (r"^hc_head\.", "model.hc_head."), (r"^layers\.", "model.layers."), (r"\.attention_norm\.", ".attn_norm."),
+    (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"), (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
+    (r"\.attention\.sinks$", ".attn.attn_sink"), (r"\.indexer\.scorer\.", ".indexer."),
+    (r"\.q_a_proj\.", ".wq_a."), (r"\.q_a_norm\.", ".q_norm."), (r"\.q_b_proj\.", ".wq_b."), (r"\.kv_proj\.", ".wkv."),
+    (r"\.gate_proj\.", ".wgate."), (r"\.kv_norm\.", ".norm."), (r"\.position_bias$", ".ape"), (r"\.o_a_proj\.", ".wo_a."),
+    (r"\.o_b_proj\.", ".wo_b."), (r"\.attention\.", ".attn."),
+    (r"\.feed_forward\.e_score_correction_bias$", ".ffn.gate.bias"), (r"\.feed_forward\.tid2eid$", ".ffn.gate.tid2eid"),
+    (r"\.feed_forward\.", ".ffn."),
+]
 _EXPERTS = re.compile(r"^(layers\.\d+)\.feed_forward\.experts\.(w1|w2|w3)$")
 
 
-def hf_name(name: str) -> str:
-    """The HF name of lockstep tensor ``name`` (experts excepted: they are fused)."""
-    for pattern, repl in _RENAMES:
+def _rename(name: str, table: list[tuple[str, str]]) -> str:
+    for pattern, repl in table:
         name = re.sub(pattern, repl, name)
     return name
+
+
+def hf_name(name: str) -> str:
+    """transformers' in-memory name of lockstep tensor ``name`` (experts excepted: they are fused)."""
+    return _rename(name, _RENAMES)
+
+
+def disk_name(name: str) -> str:
+    """The name transformers' ``save_pretrained`` gives lockstep tensor ``name`` (experts: per expert)."""
+    return _rename(name, _DISK)
 
 
 def _rope_check(hf: dict[str, Any]) -> None:
@@ -126,57 +149,58 @@ class DeepSeekV4Adapter:
     def _lockstep_names(self, config: TransformerConfig) -> list[str]:
         return list(build_meta_model(config).state_dict().keys())
 
+    def _lockstep_names(self, config: TransformerConfig) -> list[str]:
+        return list(build_meta_model(config).state_dict().keys())
+
     def state_to_hf(self, state: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+        """The layout transformers' ``save_pretrained`` writes (and ``from_pretrained`` reads)."""
         out: dict[str, torch.Tensor] = {}
         for name, t in state.items():
             m = _EXPERTS.match(name)
             if m:
-                prefix = hf_name(m.group(1))
-                if m.group(2) == "w2":
-                    out[f"{prefix}.mlp.experts.down_proj"] = t
-                elif m.group(2) == "w1":
-                    out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.cat([t, state[f"{m.group(1)}.feed_forward"
-                                                                                     ".experts.w3"]], dim=1)
+                prefix = disk_name(m.group(1))
+                for j in range(t.shape[0]):
+                    out[f"{prefix}.ffn.experts.{j}.{m.group(2)}.weight"] = t[j]
                 continue
             i = re.match(r"^layers\.(\d+)\.feed_forward\.e_score_correction_bias$", name)
             if i and config.mlp_layer_types[int(i.group(1))] == "hash_moe":
                 continue  # unused by hash routing; HF's hash router has no such buffer
-            out[hf_name(name)] = t
+            out[disk_name(name)] = t
         return out
 
     def state_from_hf(self, hf_state: dict[str, torch.Tensor], config: TransformerConfig) -> dict[str, torch.Tensor]:
+        """Reads the ``save_pretrained`` layout or transformers' in-memory one (fused experts)."""
         out: dict[str, torch.Tensor] = {}
-        wanted = self._lockstep_names(config)
         missing: list[str] = []
         used: set[str] = set()
-        for name in wanted:
+        n_experts = config.feed_forward.n_routed_experts
+        for name in self._lockstep_names(config):
             m = _EXPERTS.match(name)
             if m:
-                prefix = hf_name(m.group(1))
-                key = f"{prefix}.mlp.experts." + ("down_proj" if m.group(2) == "w2" else "gate_up_proj")
-                if key not in hf_state:
-                    missing.append(key)
-                    continue
-                used.add(key)
-                t = hf_state[key]
-                if m.group(2) == "w2":
-                    out[name] = t
+                disk = [f"{disk_name(m.group(1))}.ffn.experts.{j}.{m.group(2)}.weight" for j in range(n_experts)]
+                fused = f"{hf_name(m.group(1))}.mlp.experts." + ("down_proj" if m.group(2) == "w2" else "gate_up_proj")
+                if all(k in hf_state for k in disk):
+                    out[name] = torch.stack([hf_state[k] for k in disk])
+                    used.update(disk)
+                elif fused in hf_state:
+                    t, half = hf_state[fused], hf_state[fused].shape[1] // 2
+                    out[name] = t if m.group(2) == "w2" else (t[:, :half] if m.group(2) == "w1" else t[:, half:])
+                    used.add(fused)
                 else:
-                    half = t.shape[1] // 2
-                    out[name] = t[:, :half] if m.group(2) == "w1" else t[:, half:]
+                    missing.append(disk[0])
                 continue
-            key = hf_name(name)
-            if key in hf_state:
+            key = next((k for k in (disk_name(name), hf_name(name)) if k in hf_state), None)
+            if key is not None:
                 out[name] = hf_state[key]
                 used.add(key)
             elif name.endswith("feed_forward.e_score_correction_bias"):
-                out[name] = torch.zeros(config.feed_forward.n_routed_experts, dtype=torch.float32)
+                out[name] = torch.zeros(n_experts, dtype=torch.float32)
             else:
-                missing.append(key)
+                missing.append(disk_name(name))
         unknown = sorted(k for k in hf_state if k not in used and not re.match(r"^(model\.)?mtp\.", k))
         if missing or unknown:
             raise ConfigError(f"deepseek_v4 checkpoint: missing tensors {missing[:8]}, unknown tensors {unknown[:8]}")
         return out
 
 
-__all__ = ["DeepSeekV4Adapter", "hf_name", "FAMILY"]
+__all__ = ["DeepSeekV4Adapter", "disk_name", "hf_name", "FAMILY"]
