@@ -44,6 +44,7 @@ def _ensure_families_loaded() -> None:
     import lockstep.models.deepseek_v32  # noqa: F401
     import lockstep.models.qwen3_vl  # noqa: F401
     import lockstep.models.deepseek_v4  # noqa: F401
+    import lockstep.models.kimi_k25  # noqa: F401
     # (new families: add one import line here)
 
 
