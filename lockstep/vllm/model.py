@@ -135,13 +135,14 @@ class LockstepForCausalLM(nn.Module):
         if lockstep_config is None:
             raise ValueError(f"config.json has no {CONFIG_KEY!r} entry: not written by lockstep.vllm.model_dir")
         config: TransformerConfig = config_from_dict(dict(lockstep_config))
-        #: lockstep's model; its weights are loaded afterwards (load_weights). Built in fp32 (vLLM sets the
+        #: lockstep's model, on the device vLLM builds its model on (its default device while it builds);
+        #: its weights are loaded afterwards (load_weights). Built in fp32 (vLLM sets the
         #: default dtype to the model's), then the parameters cast: the RoPE tables stay fp32, as lockstep.load
         #: builds them
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.float32)
         try:
-            self.model = build_model(config, device="cpu", seed=0).eval()
+            self.model = build_model(config, device=torch.get_default_device(), seed=0).eval()
         finally:
             torch.set_default_dtype(default)
         for param in self.model.parameters():
