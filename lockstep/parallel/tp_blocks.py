@@ -59,6 +59,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lockstep.config.base import ConfigError
+from lockstep.models.common.compressed_attention import CompressedAttention
 from lockstep.models.common.gated_deltanet import GatedDeltaNet
 from lockstep.models.common.mla import MultiHeadLatentAttention
 from lockstep.models.common.moe import MoE
@@ -88,6 +89,10 @@ class PartialRowwise(RowwiseParallel):
 def check_tp_divides(model: nn.Module, tp: int) -> None:
     """ConfigError naming the field when tp does not split an MLA or MoE layer evenly."""
     for name, module in model.named_modules():
+        if isinstance(module, CompressedAttention):
+            raise ConfigError(f"parallel.tp: DeepSeek-V4's compressed attention ({name}: one shared key=value head, "
+                              "compressed entries, hyper-connection streams) has no tensor-parallel plan; use "
+                              "parallel.tp=1")
         if isinstance(module, GatedDeltaNet) and module.n_k % tp:  # whole key-head groups per rank
             raise ConfigError(f"parallel.tp: {tp} does not divide model.linear_attention.n_k_heads={module.n_k} "
                               f"({name})")

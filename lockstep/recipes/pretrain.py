@@ -87,6 +87,14 @@ def debug_deepseek_v32() -> TrainerConfig:
     return cfg
 
 
+@recipe("debug-deepseek-v4",
+        "tiny deepseek_v4 (hyper-connections, CSA/HCA compressed attention, hash + learned routing), for tests")
+def debug_deepseek_v4() -> TrainerConfig:
+    cfg = debug()
+    cfg.model = model_config("deepseek_v4", "debug")
+    return cfg
+
+
 @recipe("debug-gptoss", "tiny gpt_oss (sliding/full attention with sinks, clamped SwiGLU experts) on Shakespeare, for tests")
 def debug_gptoss() -> TrainerConfig:
     cfg = debug()

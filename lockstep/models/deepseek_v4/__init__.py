@@ -14,7 +14,7 @@ def _debug() -> DeepSeekV4Config:
     # 4 blocks covering every attention kind (HCA, CSA, sliding, CSA) and both routings; windows of 4 (CSA) and
     # 8 (HCA) tokens, 4 indexer picks, a sliding window of 8: sequences of a few dozen tokens use all paths.
     return DeepSeekV4Config(
-        flavor="debug", vocab_size=512, dim=64, n_layers=4, n_heads=4, head_dim=32, rope_dim=8, q_lora_rank=32,
+        flavor="debug", vocab_size=4096, dim=64, n_layers=4, n_heads=4, head_dim=32, rope_dim=8, q_lora_rank=32,
         o_groups=2, o_lora_rank=16, sliding_window=8, csa_rate=4, hca_rate=8, index_n_heads=4, index_head_dim=16,
         index_topk=4, hc_mult=4, ffn_dim=32, max_seq_len=512,
         layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",

@@ -38,7 +38,7 @@ def models():
 @pytest.mark.parametrize("seq", LENGTHS.values(), ids=LENGTHS.keys())
 def test_logits_match_transformers(models, seq):
     model, hf = models
-    tokens = torch.randint(0, 512, (2, seq), generator=torch.Generator().manual_seed(seq))
+    tokens = torch.randint(0, 4096, (2, seq), generator=torch.Generator().manual_seed(seq))
     with torch.no_grad():
         ours, theirs = model(tokens), hf(tokens).logits
     assert ours.abs().max() > 0.1  # the comparison is not between two near-zero tensors
@@ -51,7 +51,7 @@ def test_other_shapes_match_transformers():
                       mlp_layer_types=["hash_moe", "hash_moe", "moe"], n_layers=3, hc_mult=2, index_topk=1,
                       rope_dim=16, sliding_window=5, hca_rate=4, csa_rate=2, o_groups=4)
     model, hf = pair(cfg, seed=3)
-    tokens = torch.randint(0, 512, (3, 19), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, 4096, (3, 19), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=ATOL, rtol=0)
 
@@ -59,8 +59,8 @@ def test_other_shapes_match_transformers():
 def test_gradients_match_transformers():
     model, hf = pair(seed=1)
     model.train(), hf.train()
-    tokens = torch.randint(0, 512, (2, 29), generator=torch.Generator().manual_seed(7))
-    target = torch.randint(0, 512, (2, 29), generator=torch.Generator().manual_seed(8))
+    tokens = torch.randint(0, 4096, (2, 29), generator=torch.Generator().manual_seed(7))
+    target = torch.randint(0, 4096, (2, 29), generator=torch.Generator().manual_seed(8))
     for logits in (model(tokens), hf(tokens).logits):
         torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
@@ -95,7 +95,7 @@ def test_hf_files_round_trip_bitwise(models, tmp_path):
         assert torch.equal(a[k], ref[k]) and torch.equal(b[k], ref[k]), k
     assert first.config == second.config
     reloaded = DeepseekV4ForCausalLM.from_pretrained(tmp_path / "ls", dtype=torch.float32).eval()
-    tokens = torch.randint(0, 512, (1, 23))
+    tokens = torch.randint(0, 4096, (1, 23))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(tokens).logits, model(tokens), atol=ATOL, rtol=0)
 
