@@ -218,3 +218,10 @@ def test_greedy_generation_equals_transformers_generate(pair, layout):
                       pad_token_id=0, **kwargs)
     out = greedy_generate(model, tokens, pixels, grid, max_new_tokens=8)
     assert torch.equal(out, ref), (out[0, -8:].tolist(), ref[0, -8:].tolist())
+
+
+def test_family_parity_check_runs_for_kimi_k25():
+    from lockstep.models.hf.parity import TOLERANCE, family_parity
+
+    result = family_parity("kimi_k25", "debug")  # the trainer's start-up check (output.parity_check)
+    assert result["ran"] and result["passed"] and result["max_abs_diff"] <= TOLERANCE
