@@ -22,7 +22,8 @@ from lockstep.generate import Engine, EngineConfig, Request, SamplingParams
 from lockstep.models.common.transformer import build_model
 from lockstep.models.registry import model_config
 family, flavor, n, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-cfg = dataclasses.replace(model_config(family, flavor), max_seq_len=max(n + 8, model_config(family, flavor).max_seq_len))
+base = model_config(family, flavor)
+cfg = dataclasses.replace(base, max_seq_len=max(n + 8, base.max_seq_len))
 model = build_model(cfg, seed=0).eval()
 engine = Engine(model, None, EngineConfig(cache_memory_mb=256, max_batch_size=1, max_prefill_tokens=n,
                                           prefill_chunk=chunk))

@@ -6,8 +6,9 @@ Shakespeare corpus for ``--train-steps`` steps with the MTP loss (a plain AdamW 
 ``--model-path``: later runs reuse it), then generates from validation-split prompts with
 ``EngineConfig.speculative="mtp"`` at each ``--draft-tokens`` k and with plain decoding, greedy, the
 engines interleaved round by round in one process. It prints tokens/s of each side (median and best
-round), the median of per-round ratios to plain decoding and the ratio of best rounds, the acceptance rate (drafted tokens accepted / drafted) and the tokens emitted per
-verify forward, and checks every speculative output is token-identical to the plain one.
+round), the median of per-round ratios to plain decoding and the ratio of best rounds, the
+acceptance rate (drafted tokens accepted / drafted) and the tokens emitted per verify forward, and
+checks every speculative output is token-identical to the plain one.
 
     .venv/bin/python benchmarks/speculative.py [--train-steps 400] [--draft-tokens 1,2,3]
         [--batches 1,8] [--new-tokens 64] [--rounds 3] [--model-path /tmp/lockstep-dsv3-mtp.pt] [--threads N]
@@ -19,6 +20,7 @@ Training saves ``<model-path>.step<N>`` every 25 steps; ``--model-path`` of such
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from pathlib import Path
@@ -41,8 +43,10 @@ def train_model(path: Path, steps: int, seq_len: int = 128, batch: int = 8, lr: 
         return model, data
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(s / steps * 3.14159)).item())))
+    def lr_factor(step: int) -> float:  # linear warm-up, cosine decay to 0.1
+        return min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     model.train()
     start = time.perf_counter()
     for step in range(steps):
