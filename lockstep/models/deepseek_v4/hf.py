@@ -54,8 +54,8 @@ _DISK = [  # lockstep -> the layout transformers' save_pretrained writes (DeepSe
     (r"\.attn_hc\.(fn|base|scale)$", r".hc_attn_\1"), (r"\.ffn_hc\.(fn|base|scale)$", r".hc_ffn_\1"),
     (r"\.attention\.sinks$", ".attn.attn_sink"), (r"\.indexer\.scorer\.", ".indexer."),
     (r"\.q_a_proj\.", ".wq_a."), (r"\.q_a_norm\.", ".q_norm."), (r"\.q_b_proj\.", ".wq_b."), (r"\.kv_proj\.", ".wkv."),
-    (r"\.gate_proj\.", ".wgate."), (r"\.kv_norm\.", ".norm."), (r"\.position_bias$", ".ape"), (r"\.o_a_proj\.", ".wo_a."),
-    (r"\.o_b_proj\.", ".wo_b."), (r"\.attention\.", ".attn."),
+    (r"\.gate_proj\.", ".wgate."), (r"\.kv_norm\.", ".norm."), (r"\.position_bias$", ".ape"),
+    (r"\.o_a_proj\.", ".wo_a."), (r"\.o_b_proj\.", ".wo_b."), (r"\.attention\.", ".attn."),
     (r"\.feed_forward\.e_score_correction_bias$", ".ffn.gate.bias"), (r"\.feed_forward\.tid2eid$", ".ffn.gate.tid2eid"),
     (r"\.feed_forward\.", ".ffn."),
 ]

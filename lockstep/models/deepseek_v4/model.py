@@ -140,8 +140,9 @@ class DeepSeekV4(Transformer):
               visual: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions, embeddings, final-normed hidden states) of whole sequences from position 0."""
         if numerics.is_batch_invariant():
-            raise ConfigError("numerics.batch_invariant: not supported by deepseek_v4 (ops 'compressed_attention.eager' "
-                              "(sliding-window + compressed keys with sinks), 'kv_compressor.indexer_topk', "
+            raise ConfigError("numerics.batch_invariant: not supported by deepseek_v4 (ops "
+                              "'compressed_attention.eager' (sliding-window + compressed keys with sinks), "
+                              "'kv_compressor.indexer_topk', "
                               "'hyper_connections.sinkhorn' have no batch-invariant kernels, docs/numerics.md); "
                               "set numerics.batch_invariant=false")
         if cache is not None or visual is not None:
