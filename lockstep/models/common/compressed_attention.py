@@ -4,8 +4,9 @@ Per block (transformers' ``DeepseekV4Attention``):
 
 * queries from a low-rank path (``q_a_proj`` -> RMSNorm -> ``q_b_proj``), each head RMS-normed
   without a weight; one key=value head (``kv_proj`` -> RMSNorm), read as both key and value;
-* partial interleaved RoPE on the trailing ``rope_dim`` channels (``main`` theta for pure
-  sliding-window blocks, the compressed theta for CSA/HCA blocks); the output's rope channels are
+* partial interleaved RoPE on the trailing ``rope_dim`` channels (``main_rope`` for pure
+  sliding-window blocks, ``compress_rope`` -- another theta, YaRN in the released models -- for
+  CSA/HCA blocks); the output's rope channels are
   rotated back by ``-position`` so each value's contribution depends on relative distance only;
 * keys: the last ``sliding_window`` tokens (causal) plus, in CSA/HCA blocks, the compressed entries
   of :class:`~lockstep.models.common.kv_compressor.KVCompressor` (HCA: every causal entry; CSA: the
@@ -32,6 +33,7 @@ from lockstep.models.common.kv_compressor import (
     rope_cos_sin,
 )
 from lockstep.models.common.norm import RMSNorm
+from lockstep.models.common.rope_yarn import YarnRopeConfig
 
 LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
@@ -53,13 +55,13 @@ class CompressedAttention(nn.Module):
     """One DeepSeek-V4 attention block of ``layer_type`` (see the module docstring)."""
 
     def __init__(self, *, dim: int, n_heads: int, head_dim: int, rope_dim: int, q_lora_rank: int, o_groups: int,
-                 o_lora_rank: int, sliding_window: int, layer_type: str, rate: int, rope_theta: float,
-                 compress_rope_theta: float, norm_eps: float, index_n_heads: int = 0, index_head_dim: int = 0,
+                 o_lora_rank: int, sliding_window: int, layer_type: str, rate: int, main_rope: YarnRopeConfig,
+                 compress_rope: YarnRopeConfig, norm_eps: float, index_n_heads: int = 0, index_head_dim: int = 0,
                  index_topk: int = 0) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.rope_dim = n_heads, head_dim, rope_dim
         self.o_groups, self.sliding_window, self.layer_type, self.rate = o_groups, sliding_window, layer_type, rate
-        self.theta = rope_theta if layer_type == "sliding_attention" else compress_rope_theta
+        self.rope = main_rope if layer_type == "sliding_attention" else compress_rope
         self.norm_eps = norm_eps
         self.q_a_proj = nn.Linear(dim, q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(q_lora_rank, norm_eps)
@@ -73,10 +75,10 @@ class CompressedAttention(nn.Module):
         self.indexer: CompressedIndexer | None = None
         if layer_type != "sliding_attention":
             sparse = layer_type == "compressed_sparse_attention"
-            self.compressor = KVCompressor(dim, head_dim, rate, sparse, rope_dim, compress_rope_theta, norm_eps)
+            self.compressor = KVCompressor(dim, head_dim, rate, sparse, rope_dim, compress_rope, norm_eps)
             if sparse:
                 self.indexer = CompressedIndexer(dim, q_lora_rank, index_n_heads, index_head_dim, index_topk, rate,
-                                                 rope_dim, compress_rope_theta, norm_eps)
+                                                 rope_dim, compress_rope, norm_eps)
         self.init_std = 0.02
         self.reset_parameters()
 
@@ -88,7 +90,7 @@ class CompressedAttention(nn.Module):
         """``x [B, T, D]`` at ``positions [1 or B, T]`` (0..T-1 of one whole sequence) -> ``[B, T, D]``."""
         batch, seq, _ = x.shape
         pos = positions.expand(batch, -1)
-        cos, sin = rope_cos_sin(pos, self.theta, self.rope_dim)
+        cos, sin = rope_cos_sin(pos, self.rope, self.rope_dim)
         q_latent = self.q_a_norm(self.q_a_proj(x))
         q = self.q_b_proj(q_latent).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         q = apply_interleaved_rope(unweighted_rms_norm(q, self.norm_eps), cos, sin)

@@ -3,7 +3,7 @@
 A :class:`KVCompressor` turns every window of ``rate`` tokens into one key=value entry: a softmax
 (over the window, per channel) of gate scores plus a learned per-slot ``position_bias`` weighs the
 projected tokens, the sum is RMS-normed and rotated (interleaved RoPE on its trailing ``rope_dim``
-channels) at the window's first position. Two kinds:
+channels, the compressed branches' rope: plain or YaRN) at the window's first position. Two kinds:
 
 * heavily compressed (HCA, ``overlap=False``): disjoint windows;
 * compressed sparse (CSA, ``overlap=True``): projections are ``2 * head_dim`` wide, entry ``w``
@@ -25,13 +25,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from lockstep.models.common.norm import RMSNorm
+from lockstep.models.common.rope_yarn import YarnRopeConfig
 
 
-def rope_cos_sin(positions: torch.Tensor, theta: float, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Interleaved-RoPE tables ``[..., rope_dim // 2]`` (one angle per channel pair) at ``positions``."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float, device=positions.device) / rope_dim))
+def rope_cos_sin(positions: torch.Tensor, rope: YarnRopeConfig, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Interleaved-RoPE tables ``[..., rope_dim // 2]`` (one angle per channel pair) at ``positions``:
+    ``rope``'s frequencies (plain or YaRN) and cos/sin factor, computed as transformers does."""
+    inv_freq = rope.inverse_frequencies(rope_dim).to(positions.device)
     freqs = positions[..., None].float() * inv_freq
-    return freqs.cos(), freqs.sin()
+    factor = rope.cos_sin_factor()
+    return freqs.cos() * factor, freqs.sin() * factor
 
 
 def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -49,10 +52,10 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 class KVCompressor(nn.Module):
     """One compressed KV entry per window of ``rate`` tokens (see the module docstring)."""
 
-    def __init__(self, dim: int, head_dim: int, rate: int, overlap: bool, rope_dim: int, theta: float,
+    def __init__(self, dim: int, head_dim: int, rate: int, overlap: bool, rope_dim: int, rope: YarnRopeConfig,
                  norm_eps: float) -> None:
         super().__init__()
-        self.head_dim, self.rate, self.overlap, self.rope_dim, self.theta = head_dim, rate, overlap, rope_dim, theta
+        self.head_dim, self.rate, self.overlap, self.rope_dim, self.rope = head_dim, rate, overlap, rope_dim, rope
         width = 2 * head_dim if overlap else head_dim
         self.kv_proj = nn.Linear(dim, width, bias=False)
         self.gate_proj = nn.Linear(dim, width, bias=False)
@@ -80,7 +83,7 @@ class KVCompressor(nn.Module):
         pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
         compressed = self.kv_norm(pooled)
         positions = (torch.arange(n_windows, device=h.device) * rate).unsqueeze(0).expand(batch, -1)
-        cos, sin = rope_cos_sin(positions, self.theta, self.rope_dim)
+        cos, sin = rope_cos_sin(positions, self.rope, self.rope_dim)
         return apply_interleaved_rope(compressed.unsqueeze(1), cos, sin).squeeze(1)
 
 
@@ -109,11 +112,11 @@ class CompressedIndexer(nn.Module):
     """Picks each query's ``topk`` compressed entries (CSA); its choice is not differentiable."""
 
     def __init__(self, dim: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, rate: int,
-                 rope_dim: int, theta: float, norm_eps: float) -> None:
+                 rope_dim: int, rope: YarnRopeConfig, norm_eps: float) -> None:
         super().__init__()
         self.n_heads, self.head_dim, self.topk, self.rate = n_heads, head_dim, topk, rate
-        self.rope_dim, self.theta = rope_dim, theta
-        self.compressor = KVCompressor(dim, head_dim, rate, True, rope_dim, theta, norm_eps)
+        self.rope_dim, self.rope = rope_dim, rope
+        self.compressor = KVCompressor(dim, head_dim, rate, True, rope_dim, rope, norm_eps)
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.scorer = IndexerScorer(dim, n_heads, head_dim)
 
@@ -126,7 +129,7 @@ class CompressedIndexer(nn.Module):
         if n_entries == 0:
             return causal
         q = self.q_b_proj(q_latent).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions.expand(batch, -1), self.theta, self.rope_dim)
+        cos, sin = rope_cos_sin(positions.expand(batch, -1), self.rope, self.rope_dim)
         q = apply_interleaved_rope(q, cos, sin).transpose(1, 2)
         scores = self.scorer(q, keys, h).masked_fill(~causal, float("-inf"))
         chosen = scores.topk(min(self.topk, n_entries), dim=-1).indices

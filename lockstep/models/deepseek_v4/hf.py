@@ -22,8 +22,9 @@ mlp.shared_experts.gate_proj / up_proj / down_proj              feed_forward.sha
 ==============================================================  =============================================
 
 Hash-routed layers have no ``e_score_correction_bias`` in HF (lockstep keeps an unused zero one).
-Config: the released checkpoints' ``rope_scaling`` YaRN on the compressed branches is refused
-(lockstep implements default RoPE only); MTP layers are not read.
+Config: ``rope_parameters`` ``main`` (plain) -> ``main_rope``, ``compress`` (plain or YaRN, the
+released checkpoints' factor-16 YaRN with ``attention_factor`` 1) -> ``compress_rope``; MTP layers
+are not read.
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ import torch
 
 from lockstep.config.base import ConfigError
 from lockstep.models.common.moe import MoEConfig
+from lockstep.models.common.rope_yarn import YarnRopeConfig
 from lockstep.models.common.transformer import TransformerConfig, build_meta_model
 from lockstep.models.deepseek_v4.model import FAMILY, DeepSeekV4Config
+from lockstep.models.hf.yarn import yarn_rope_from_hf, yarn_rope_to_hf
 
 _RENAMES = [  # lockstep prefix -> HF prefix, applied once each, in order
     (r"^tok_embeddings\.", "model.embed_tokens."), (r"^norm\.", "model.norm."), (r"^output\.", "lm_head."),
@@ -78,31 +81,25 @@ def disk_name(name: str) -> str:
     return _rename(name, _DISK)
 
 
-def _rope_check(hf: dict[str, Any]) -> None:
-    rp = hf.get("rope_parameters") or {}
-    kinds = [rp.get("main", {}), rp.get("compress", {}), rp, hf.get("rope_scaling") or {}]
-    for kind in kinds:
-        rope_type = kind.get("rope_type", kind.get("type", "default")) if isinstance(kind, dict) else "default"
-        if rope_type not in ("default", None):
-            raise ConfigError(f"config.json rope_parameters: rope_type {rope_type!r} is not supported by lockstep's "
-                              "deepseek_v4 (default RoPE only)")
-
-
 class DeepSeekV4Adapter:
     """HFAdapter for ``DeepseekV4ForCausalLM`` (``model_type`` ``deepseek_v4``)."""
 
     def config_from_hf(self, hf_config: dict[str, Any]) -> TransformerConfig:
         from transformers import DeepseekV4Config as HFConfig  # fills transformers' defaults and legacy fields
 
-        _rope_check(hf_config)
         hf = HFConfig(**{k: v for k, v in hf_config.items() if k not in ("architectures", "model_type")})
-        rp = hf.rope_parameters
+        rp = hf.rope_parameters  # {"main": plain, "compress": plain or YaRN}, as transformers resolves them
+        if rp["main"].get("rope_type", "default") != "default":
+            raise ConfigError(f"config.json rope_parameters.main: rope_type {rp['main'].get('rope_type')!r}; "
+                              "DeepSeek-V4's sliding-window blocks use plain RoPE")
+        compress = yarn_rope_from_hf({"rope_parameters": dict(rp["compress"]),
+                                      "max_position_embeddings": hf.max_position_embeddings}, FAMILY)
         rates = hf.compress_rates
         cfg = DeepSeekV4Config(
             flavor="hf", vocab_size=hf.vocab_size, dim=hf.hidden_size, n_layers=hf.num_hidden_layers,
             n_heads=hf.num_attention_heads, n_kv_heads=hf.num_key_value_heads, head_dim=hf.head_dim,
-            rope_dim=hf.qk_rope_head_dim, rope_theta=float(rp["main"]["rope_theta"]),
-            compress_rope_theta=float(rp["compress"]["rope_theta"]), q_lora_rank=hf.q_lora_rank,
+            rope_dim=hf.qk_rope_head_dim, compress_rope=compress, q_lora_rank=hf.q_lora_rank,
+            main_rope=YarnRopeConfig(theta=float(rp["main"]["rope_theta"]), scaling="none"),
             o_groups=hf.o_groups, o_lora_rank=hf.o_lora_rank, sliding_window=hf.sliding_window,
             layer_types=list(hf.layer_types), csa_rate=rates["compressed_sparse_attention"],
             hca_rate=rates["heavily_compressed_attention"], index_n_heads=hf.index_n_heads,
@@ -132,8 +129,13 @@ class DeepSeekV4Adapter:
             "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
             "vocab_size": c.vocab_size, "hidden_size": c.dim, "num_hidden_layers": c.n_layers,
             "num_attention_heads": c.n_heads, "num_key_value_heads": 1, "head_dim": c.head_dim,
-            "partial_rotary_factor": c.rope_dim / c.head_dim, "rope_theta": c.rope_theta,
-            "compress_rope_theta": c.compress_rope_theta, "q_lora_rank": c.q_lora_rank, "o_groups": c.o_groups,
+            "partial_rotary_factor": c.rope_dim / c.head_dim, "rope_theta": c.main_rope.theta,
+            "compress_rope_theta": c.compress_rope.theta,
+            "rope_parameters": {"main": {"rope_type": "default", "rope_theta": c.main_rope.theta,
+                                         "partial_rotary_factor": c.rope_dim / c.head_dim},
+                                "compress": {**yarn_rope_to_hf(c.compress_rope, FAMILY),
+                                             "partial_rotary_factor": c.rope_dim / c.head_dim}},
+            "q_lora_rank": c.q_lora_rank, "o_groups": c.o_groups,
             "o_lora_rank": c.o_lora_rank, "sliding_window": c.sliding_window, "layer_types": list(c.layer_types),
             "compress_rates": {"compressed_sparse_attention": c.csa_rate,
                                "heavily_compressed_attention": c.hca_rate},

@@ -9,8 +9,7 @@ only wires them: embeddings are copied onto ``hc_mult`` streams, each block is
 :class:`~lockstep.models.common.hyper_connections.HyperHead` collapses the streams before the final norm.
 
 Scope: whole-sequence forwards (training, scoring) from position 0; no KV cache (the generation
-engine's cache does not hold compressed-attention state), no MTP, default RoPE only (the released
-checkpoints' YaRN on the compressed branches is refused by the HF adapter), no tensor parallelism,
+engine's cache does not hold compressed-attention state), no MTP, no tensor parallelism,
 and batch-invariant mode is refused (:meth:`DeepSeekV4.trunk`).
 """
 
@@ -29,6 +28,7 @@ from lockstep.models.common.hash_moe import RoutedMoE
 from lockstep.models.common.hyper_connections import HyperConnection, HyperHead, hyper_residual
 from lockstep.models.common.moe import MoEConfig
 from lockstep.models.common.norm import RMSNorm
+from lockstep.models.common.rope_yarn import YarnRopeConfig
 from lockstep.models.common.transformer import Transformer, TransformerConfig
 
 FAMILY = "deepseek_v4"
@@ -50,8 +50,12 @@ class DeepSeekV4Config(TransformerConfig):
     n_kv_heads: int = 1
     head_dim: int = 64
     rope_dim: int = 16
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
+    #: RoPE of the pure sliding-window blocks (plain: its scaling must be "none")
+    main_rope: YarnRopeConfig = dataclasses.field(default_factory=lambda: YarnRopeConfig(theta=10000.0,
+                                                                                          scaling="none"))
+    #: RoPE of the CSA/HCA blocks, their compressors and indexers (YaRN in the released models)
+    compress_rope: YarnRopeConfig = dataclasses.field(default_factory=lambda: YarnRopeConfig(theta=160000.0,
+                                                                                              scaling="none"))
     q_lora_rank: int = 32
     o_groups: int = 2
     o_lora_rank: int = 32
@@ -88,6 +92,12 @@ class DeepSeekV4Config(TransformerConfig):
                 require_positive(getattr(self, name), f"{path}.{name}")
         require(not self.tie_embeddings, f"{path}.tie_embeddings", "DeepSeek-V4 has a separate output head")
         self.feed_forward.validate(f"{path}.feed_forward")
+        self.main_rope.validate(f"{path}.main_rope")
+        self.compress_rope.validate(f"{path}.compress_rope")
+        require(self.compress_rope.scaling in ("none", "yarn"), f"{path}.compress_rope.scaling",
+                f"must be 'none' or 'yarn', got {self.compress_rope.scaling!r}")
+        require(self.main_rope.scaling == "none", f"{path}.main_rope.scaling",
+                f"DeepSeek-V4's sliding-window blocks use plain RoPE, got {self.main_rope.scaling!r}")
 
     def rate(self, layer_type: str) -> int:
         return {"compressed_sparse_attention": self.csa_rate, "heavily_compressed_attention": self.hca_rate}.get(
@@ -107,8 +117,8 @@ class DeepSeekV4Block(nn.Module):
         self.attention = CompressedAttention(
             dim=c.dim, n_heads=c.n_heads, head_dim=c.head_dim, rope_dim=c.rope_dim, q_lora_rank=c.q_lora_rank,
             o_groups=c.o_groups, o_lora_rank=c.o_lora_rank, sliding_window=c.sliding_window,
-            layer_type=c.layer_types[i], rate=c.rate(c.layer_types[i]), rope_theta=c.rope_theta,
-            compress_rope_theta=c.compress_rope_theta, norm_eps=c.norm_eps, index_n_heads=c.index_n_heads,
+            layer_type=c.layer_types[i], rate=c.rate(c.layer_types[i]), main_rope=c.main_rope,
+            compress_rope=c.compress_rope, norm_eps=c.norm_eps, index_n_heads=c.index_n_heads,
             index_head_dim=c.index_head_dim, index_topk=c.index_topk)
         self.ffn_norm = RMSNorm(c.dim, c.norm_eps)
         self.feed_forward = RoutedMoE(c.feed_forward, c.dim, c.feed_forward.moe_ffn_dim, c.vocab_size,

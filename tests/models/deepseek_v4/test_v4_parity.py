@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from v4_reference import hf_memory_state, pair, tiny_config  # noqa: E402
 
 from lockstep.config.base import ConfigError  # noqa: E402
+from lockstep.models.common.rope_yarn import YarnRopeConfig  # noqa: E402
 from lockstep.models.common.transformer import build_meta_model  # noqa: E402
 from lockstep.models.deepseek_v4 import FLAVORS, DeepSeekV4Adapter  # noqa: E402
 
@@ -52,6 +53,20 @@ def test_other_shapes_match_transformers():
                       rope_dim=16, sliding_window=5, hca_rate=4, csa_rate=2, o_groups=4)
     model, hf = pair(cfg, seed=3)
     tokens = torch.randint(0, 4096, (3, 19), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("attention_factor", [1.0, 0.0], ids=["released_factor_1", "derived_mscale"])
+def test_yarn_compressed_rope_matches_transformers(attention_factor):
+    # the released checkpoints' YaRN on the compressed branches (attention_factor 1), and YaRN's own mscale
+    rope = YarnRopeConfig(theta=160000.0, scaling="yarn", factor=4.0, original_max_position_embeddings=16,
+                          attention_factor=attention_factor)
+    cfg = tiny_config(compress_rope=rope)
+    adapter = DeepSeekV4Adapter()
+    assert dataclasses.replace(adapter.config_from_hf(adapter.config_to_hf(cfg)), flavor="debug") == cfg
+    model, hf = pair(cfg, seed=4)
+    tokens = torch.randint(0, 4096, (2, 41), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=ATOL, rtol=0)
 
@@ -124,10 +139,11 @@ def test_config_round_trip_and_refusals():
     adapter = DeepSeekV4Adapter()
     cfg = tiny_config()
     assert dataclasses.replace(adapter.config_from_hf(adapter.config_to_hf(cfg)), flavor="debug") == cfg
-    yarn = {**adapter.config_to_hf(cfg), "rope_scaling": {"rope_type": "yarn", "factor": 16.0,
-                                                          "original_max_position_embeddings": 65536}}
-    with pytest.raises(ConfigError, match="rope_type 'yarn'"):
-        adapter.config_from_hf(yarn)
+    yarn_main = {**adapter.config_to_hf(cfg)}
+    yarn_main["rope_parameters"] = {**yarn_main["rope_parameters"], "main": {
+        "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}}
+    with pytest.raises(ConfigError, match=r"^config.json rope_parameters.main: rope_type 'yarn'"):
+        adapter.config_from_hf(yarn_main)
     with pytest.raises(ConfigError, match=r"model.layer_types\[1\]"):
         tiny_config(layer_types=["sliding_attention", "full_attention", "sliding_attention",
                                  "sliding_attention"]).validate()
