@@ -147,3 +147,22 @@ def test_config_round_trip_and_refusals():
     with pytest.raises(ConfigError, match=r"model.layer_types\[1\]"):
         tiny_config(layer_types=["sliding_attention", "full_attention", "sliding_attention",
                                  "sliding_attention"]).validate()
+
+
+def test_legacy_release_style_config_reads():
+    """The released checkpoints' config.json style (per-layer compress_ratios, num_hash_layers, qk_rope_head_dim,
+    rope_scaling YaRN) resolves through transformers' config to the same architecture fields."""
+    hf = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=512, hidden_size=64,
+              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32, qk_rope_head_dim=8,
+              q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8, compress_ratios=[128, 4, 0, 4],
+              compress_rate_csa=4, compress_rate_hca=8, num_hash_layers=1, index_n_heads=4, index_head_dim=16,
+              index_topk=4, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+              rope_theta=10000, compress_rope_theta=160000, max_position_embeddings=1048576,
+              rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                            "beta_fast": 32, "beta_slow": 1})
+    cfg = DeepSeekV4Adapter().config_from_hf(hf)
+    assert cfg.layer_types == ["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                               "compressed_sparse_attention"]
+    assert cfg.mlp_layer_types == ["hash_moe", "moe", "moe", "moe"] and cfg.rope_dim == 8
+    assert (cfg.compress_rope.scaling, cfg.compress_rope.factor, cfg.compress_rope.attention_factor) == ("yarn", 16, 1)
+    assert (cfg.compress_rope.theta, cfg.main_rope.theta, cfg.main_rope.scaling) == (160000, 10000, "none")
