@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from lockstep.config.base import Config, check_finite, require, require_choice, require_positive
+from lockstep.config.base import Config, ConfigError, check_finite, require, require_choice, require_positive
 
 if TYPE_CHECKING:
     from lockstep.generate.engine import Engine
@@ -158,3 +158,23 @@ class Request:
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     #: caller's label, returned with the result
     request_id: str | None = None
+
+    def token_ids(self, tokenizer, vocab_size: int) -> list[int]:
+        """The prompt's token ids (``prompt_ids``, or ``prompt`` encoded with ``tokenizer``), checked: one of
+        the two given, not empty, every id inside ``[0, vocab_size)``. Every engine admits requests by it."""
+        if self.prompt_ids is not None and self.prompt is not None:
+            raise ConfigError("Request: give prompt_ids or prompt, not both")
+        if self.prompt_ids is None:
+            if self.prompt is None:
+                raise ConfigError("Request.prompt_ids: no prompt given (prompt_ids or prompt)")
+            if tokenizer is None:
+                raise ConfigError("Request.prompt: a text prompt needs an Engine with a tokenizer; give prompt_ids")
+            ids = list(tokenizer.encode(self.prompt))
+        else:
+            ids = [int(t) for t in self.prompt_ids]
+        if not ids:
+            raise ConfigError("Request.prompt_ids: the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ConfigError(f"Request.prompt_ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        return ids

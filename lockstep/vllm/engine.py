@@ -223,23 +223,7 @@ class VllmEngine:
         return _Sequence(seq_id, request, prompt, TextTracker(self.tokenizer, sp.stop), frozenset(stop_ids)), params
 
     def _prompt_ids(self, request: Request) -> list[int]:
-        if request.prompt_ids is not None and request.prompt is not None:
-            raise ConfigError("Request: give prompt_ids or prompt, not both")
-        if request.prompt_ids is None:
-            if request.prompt is None:
-                raise ConfigError("Request.prompt_ids: no prompt given (prompt_ids or prompt)")
-            if self.tokenizer is None:
-                raise ConfigError("Request.prompt: a text prompt needs an engine with a tokenizer; give prompt_ids")
-            ids = list(self.tokenizer.encode(request.prompt))
-        else:
-            ids = [int(t) for t in request.prompt_ids]
-        if not ids:
-            raise ConfigError("Request.prompt_ids: the prompt is empty; give at least one token")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ConfigError(f"Request.prompt_ids: token ids {bad[:5]} are outside the vocabulary "
-                              f"[0, {self.vocab_size})")
-        return ids
+        return request.token_ids(self.tokenizer, self.vocab_size)
 
     # ----------------------------------------------------------------- driving
 
