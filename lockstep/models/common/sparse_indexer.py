@@ -193,6 +193,9 @@ def refuse_batch_invariant(model: Config, batch_invariant: bool) -> None:
     work (the forward refuses too, naming the op)."""
     if not batch_invariant:
         return
+    refusal = getattr(model, "batch_invariant_refusal", None)  # a family whose ops have no invariant kernels
+    if callable(refusal):
+        raise ConfigError(f"numerics.batch_invariant: {refusal()}")
     for path, slot in model.slots().items():
         if getattr(slot, "indexer", None) is not None:
             raise ConfigError(f"numerics.batch_invariant: not supported with DeepSeek-V3.2's sparse indexer "

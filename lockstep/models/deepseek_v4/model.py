@@ -99,6 +99,13 @@ class DeepSeekV4Config(TransformerConfig):
         require(self.main_rope.scaling == "none", f"{path}.main_rope.scaling",
                 f"DeepSeek-V4's sliding-window blocks use plain RoPE, got {self.main_rope.scaling!r}")
 
+    def batch_invariant_refusal(self) -> str:
+        """Why batch-invariant mode is refused (read by the trainer's and RL's config validation via
+        :func:`lockstep.models.common.sparse_indexer.refuse_batch_invariant`, and by the forward)."""
+        return ("not supported by deepseek_v4 (ops 'compressed_attention.eager' (sliding-window + compressed keys "
+                "with sinks), 'kv_compressor.indexer_topk', 'hyper_connections.sinkhorn' have no batch-invariant "
+                "kernels, docs/numerics.md); set numerics.batch_invariant=false")
+
     def rate(self, layer_type: str) -> int:
         return {"compressed_sparse_attention": self.csa_rate, "heavily_compressed_attention": self.hca_rate}.get(
             layer_type, 0)
@@ -150,11 +157,7 @@ class DeepSeekV4(Transformer):
               visual: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions, embeddings, final-normed hidden states) of whole sequences from position 0."""
         if numerics.is_batch_invariant():
-            raise ConfigError("numerics.batch_invariant: not supported by deepseek_v4 (ops "
-                              "'compressed_attention.eager' (sliding-window + compressed keys with sinks), "
-                              "'kv_compressor.indexer_topk', "
-                              "'hyper_connections.sinkhorn' have no batch-invariant kernels, docs/numerics.md); "
-                              "set numerics.batch_invariant=false")
+            raise ConfigError(f"numerics.batch_invariant: {self.config.batch_invariant_refusal()}")
         if cache is not None or visual is not None:
             raise ConfigError("model.family: deepseek_v4 has no KV cache for its compressed attention state "
                               "(no generation) and no vision input")

@@ -50,3 +50,20 @@ def test_unsupported_forwards_refused(model):
     with pytest.raises(ConfigError, match="^positions: "):
         model.trunk(tokens, positions=torch.arange(3, 9)[None])
     assert model(tokens, positions=torch.arange(6)[None]).shape == (1, 6, 4096)
+
+
+def test_batch_invariant_run_configs_refuse_the_family():
+    """Trainer and RL configs refuse batch-invariant mode at validation, before any work, naming the ops."""
+    import dataclasses
+
+    from lockstep.recipes.registry import get_recipe
+    from lockstep.rl.config import RLConfig
+
+    cfg = get_recipe("debug-deepseek-v4").config()
+    cfg.validate()
+    on = dataclasses.replace(cfg, numerics=dataclasses.replace(cfg.numerics, batch_invariant=True))
+    with pytest.raises(ConfigError, match=r"^numerics.batch_invariant: not supported by deepseek_v4 .*"
+                                          r"'kv_compressor.indexer_topk'"):
+        on.validate()
+    with pytest.raises(ConfigError, match=r"^numerics.batch_invariant: not supported by deepseek_v4"):
+        RLConfig(model=cfg.model, numerics=on.numerics).validate()
