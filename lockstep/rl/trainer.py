@@ -285,6 +285,10 @@ class RLTrainer:
         plot_series(_reward_plot_records(records), ["reward/mean", "pass_rate", "pass_rate (10-step mean)",
                                                     "eval/pass_rate"], self.run_dir / "reward.png",
                     f"{self.config.recipe}: reward and pass rate", ylabel="reward / pass rate")
+        # the generator (lockstep's engine or vLLM) vs the trainer, per step: 0 where batch-invariant mode holds
+        plot_series([r for r in records if "logprob_diff/max" in r], ["logprob_diff/max", "logprob_diff/mean"],
+                    self.run_dir / "logprob_diff.png", f"{self.config.recipe}: generator vs trainer log-probabilities",
+                    ylabel="|generator - trainer| log-probability")
         if self.config.output.save_weights:
             save_weights(self.shadow.state_dict(), self.run_dir / "model.safetensors", self.config.model.tie_embeddings)
             self.policy.tokenizer.save(self.run_dir / "tokenizer.json") if hasattr(self.policy.tokenizer, "save") \

@@ -56,7 +56,7 @@ def test_colocated_synchronous_step_end_to_end(tmp_path):
     # echo gives every group reward variance: the policy gradient is not zero, the weights move
     assert all(r["grad_norm"] > 0 and r["reward/std"] > 0 for r in records)
     assert [e["step"] for e in result.evals] == [0, 2] and all(0 <= e["eval/pass_rate"] <= 1 for e in result.evals)
-    for name in ("reward.png", "manifest.json", "model.safetensors", "tokenizer.json"):
+    for name in ("reward.png", "logprob_diff.png", "manifest.json", "model.safetensors", "tokenizer.json"):
         assert (result.run_dir / name).is_file(), name
     manifest = json.loads((result.run_dir / "manifest.json").read_text())
     assert manifest["workers"]["mode"] == "colocated" and manifest["result"]["steps"] == 2
