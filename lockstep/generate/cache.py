@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lockstep.config.base import ConfigError
 from lockstep.models.common.attention import GroupedQueryAttention
 from lockstep.models.common.mla import MultiHeadLatentAttention
 from lockstep.ops.attention import get_attention, get_cached_attention, paged_attention_kernels
@@ -82,8 +83,9 @@ def layer_layouts(model: nn.Module) -> dict[str, LayerLayout]:
             heads = attn.wk.out_features // attn.head_dim
             layouts[name] = LayerLayout("kv", heads, attn.head_dim, attn.head_dim, attn.window)
         else:
-            raise TypeError(f"{path}: {type(attn).__name__} has no KV-cache path (GroupedQueryAttention and "
-                            f"MultiHeadLatentAttention do)")
+            raise ConfigError(f"{path}: {type(attn).__name__} has no KV-cache path in lockstep's engine "
+                              f"(GroupedQueryAttention and MultiHeadLatentAttention do); this model cannot be served "
+                              f"by it yet")
         try:
             get_cached_attention(attn.backend_name)
         except ValueError as err:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lockstep.config.base import ConfigError
+
 pytest.importorskip("transformers")
 from v4_reference import pair  # noqa: E402
 
@@ -29,7 +31,7 @@ def models():
 
 def test_engine_refuses_compressed_attention(models):
     model, _ = models
-    with pytest.raises(TypeError, match=r"layers.0.attention: CompressedAttention has no KV-cache path"):
+    with pytest.raises(ConfigError, match=r"layers.0.attention: CompressedAttention has no KV-cache path"):
         Engine(model, None, EngineConfig(cache_memory_mb=4))
 
 
