@@ -22,10 +22,12 @@ within vLLM but draws other tokens than lockstep's engine for the same seed; gre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -352,12 +354,32 @@ def _start_llm(path: str, dtype: torch.dtype, config: EngineConfig, max_model_le
     from vllm import LLM
 
     try:
-        return LLM(model=path, dtype=str(dtype).removeprefix("torch."), distributed_executor_backend="uni",
-                   load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, enable_prefix_caching=False,
-                   max_num_seqs=config.max_batch_size,
-                   max_num_batched_tokens=max(config.max_prefill_tokens, config.max_batch_size),
-                   max_model_len=max_model_len, kv_cache_memory_bytes=int(config.cache_memory_mb * 2**20),
-                   logprobs_mode="processed_logprobs", seed=0)
+        with _modules_vllm_cannot_scan():
+            return LLM(model=path, dtype=str(dtype).removeprefix("torch."), distributed_executor_backend="uni",
+                       load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
+                       enable_prefix_caching=False, max_num_seqs=config.max_batch_size,
+                       max_num_batched_tokens=max(config.max_prefill_tokens, config.max_batch_size),
+                       max_model_len=max_model_len, kv_cache_memory_bytes=int(config.cache_memory_mb * 2**20),
+                       logprobs_mode="processed_logprobs", seed=0)
     finally:
         torch.set_num_threads = set_threads
         torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def _modules_vllm_cannot_scan() -> Iterator[None]:
+    """Hide, while vLLM starts, the imported modules whose globals include werkzeug ``LocalProxy`` objects
+    (flask's ``current_app``, ``g``, ``request``; flask comes in with moto, the S3 test server). vLLM's CPU
+    start-up scans every module in ``sys.modules`` with ``hasattr(value, "__dict__")``
+    (``triton_utils.dispatcher._rebind_kernels``), and such a proxy raises RuntimeError ("Working outside of
+    application context") instead of returning False. The modules are put back unchanged afterwards."""
+    hidden = {}
+    for name, module in list(sys.modules.items()):
+        namespace = getattr(module, "__dict__", None) or {}
+        # type(), not isinstance(): a proxy forwards __class__ to the object it stands for
+        if any(type(value).__name__ == "LocalProxy" for value in list(namespace.values())):
+            hidden[name] = sys.modules.pop(name)
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)

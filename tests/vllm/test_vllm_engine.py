@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flask  # noqa: F401  (as after the S3 tests, whose moto server imports it: vLLM must start beside it)
 import pytest
 import torch
 
