@@ -43,7 +43,7 @@ from lockstep.config.base import ConfigError
 from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts, window_tables
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.packed import linear_kernel, pack_linears, packable, sibling_grouping_pass
-from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
+from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker, follow
 from lockstep.generate.prefill import check_prefill_chunk, prefill
 from lockstep.generate.recurrent import RecurrentStateCache, recurrent_layers
 from lockstep.generate.sampling import request_generator, sample_next
@@ -268,21 +268,9 @@ class Engine:
         not beside a live stream (the stream delivers only its own events).
         """
         seqs = [self._make_sequence(r) for r in requests]
-        index = {s.seq_id: i for i, s in enumerate(seqs)}
         for seq in seqs:
             self.scheduler.add(seq)
-        pending = set(index)
-        try:
-            while pending:
-                for event in self.step():
-                    if event.seq_id in index:
-                        event.index = index[event.seq_id]
-                        if event.finished:
-                            pending.discard(event.seq_id)
-                        yield event
-        finally:
-            for seq_id in pending:
-                self.scheduler.abort(seq_id)
+        yield from follow(self.step, [s.seq_id for s in seqs], self.scheduler.abort)
 
     def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
         """Run ``requests`` to completion; one result per request, in order."""

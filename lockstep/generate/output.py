@@ -4,6 +4,7 @@ incremental detokenisation for streaming and stop-string matching (``TextTracker
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Iterator
 from typing import Any
 
 #: finish reasons: a stop token id or stop string ended it; the token budget (max_new_tokens, or the
@@ -91,3 +92,22 @@ class TextTracker:
             return ""
         out, self.emitted = self.text[self.emitted:end], end
         return out
+
+
+def follow(step: Callable[[], list[StreamEvent]], seq_ids: list[int],
+           abort: Callable[[int], None]) -> Iterator[StreamEvent]:
+    """The events of the sequences ``seq_ids`` as ``step()`` produces them, ``event.index`` set to the
+    position in ``seq_ids``; leaving early aborts the sequences still running. Every engine's ``stream``."""
+    index = {seq_id: i for i, seq_id in enumerate(seq_ids)}
+    pending = set(index)
+    try:
+        while pending:
+            for event in step():
+                if event.seq_id in index:
+                    event.index = index[event.seq_id]
+                    if event.finished:
+                        pending.discard(event.seq_id)
+                    yield event
+    finally:
+        for seq_id in pending:
+            abort(seq_id)

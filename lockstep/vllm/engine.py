@@ -40,7 +40,7 @@ from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.engine import tokenizer_eos_id
-from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker
+from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker, follow
 from lockstep.models.hf.io import resolve_dtype
 from lockstep.vllm import DIE_WITH_PARENT, configure_environment, register
 from lockstep.vllm.model import check_supported, padded_head_size
@@ -270,20 +270,7 @@ class VllmEngine:
         requests = list(requests)
         for r in requests:  # validate all before queueing any, as lockstep's Engine does
             self._make_sequence(r, -1)
-        ids = [self.add_request(r) for r in requests]
-        index = {seq_id: i for i, seq_id in enumerate(ids)}
-        pending = set(ids)
-        try:
-            while pending:
-                for event in self.step():
-                    if event.seq_id in index:
-                        event.index = index[event.seq_id]
-                        if event.finished:
-                            pending.discard(event.seq_id)
-                        yield event
-        finally:
-            for seq_id in pending:
-                self.abort(seq_id)
+        yield from follow(self.step, [self.add_request(r) for r in requests], self.abort)
 
     def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
         """Run ``requests`` to completion; one result per request, in order."""
