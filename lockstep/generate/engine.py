@@ -43,7 +43,7 @@ from lockstep.config.base import ConfigError
 from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts, window_tables
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.packed import linear_kernel, pack_linears, packable, sibling_grouping_pass
-from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker, follow
+from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker, final_results, follow
 from lockstep.generate.prefill import check_prefill_chunk, prefill
 from lockstep.generate.recurrent import RecurrentStateCache, recurrent_layers
 from lockstep.generate.sampling import request_generator, sample_next
@@ -275,11 +275,7 @@ class Engine:
     def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
         """Run ``requests`` to completion; one result per request, in order."""
         requests = list(requests)
-        results: list[GenerationResult | None] = [None] * len(requests)
-        for event in self.stream(requests):
-            if event.finished:
-                results[event.index] = event.result
-        return results  # type: ignore[return-value]
+        return final_results(self.stream(requests), len(requests))
 
     # ----------------------------------------------------------------- forwards
 

@@ -4,7 +4,7 @@ incremental detokenisation for streaming and stop-string matching (``TextTracker
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 #: finish reasons: a stop token id or stop string ended it; the token budget (max_new_tokens, or the
@@ -111,3 +111,13 @@ def follow(step: Callable[[], list[StreamEvent]], seq_ids: list[int],
     finally:
         for seq_id in pending:
             abort(seq_id)
+
+
+def final_results(events: Iterable[StreamEvent], n: int) -> list[GenerationResult]:
+    """The result of each of ``n`` requests, in order, from a stream of their events (every engine's
+    ``generate``)."""
+    results: list[GenerationResult | None] = [None] * n
+    for event in events:
+        if event.finished:
+            results[event.index] = event.result
+    return results  # type: ignore[return-value]

@@ -40,7 +40,7 @@ from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.engine import tokenizer_eos_id
-from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker, follow
+from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker, final_results, follow
 from lockstep.models.hf.io import resolve_dtype
 from lockstep.vllm import DIE_WITH_PARENT, configure_environment, register
 from lockstep.vllm.model import check_supported, padded_head_size
@@ -275,11 +275,7 @@ class VllmEngine:
     def generate(self, requests: Iterable[Request]) -> list[GenerationResult]:
         """Run ``requests`` to completion; one result per request, in order."""
         requests = list(requests)
-        results: list[GenerationResult | None] = [None] * len(requests)
-        for event in self.stream(requests):
-            if event.finished:
-                results[event.index] = event.result
-        return results  # type: ignore[return-value]
+        return final_results(self.stream(requests), len(requests))
 
 
 @dataclasses.dataclass(frozen=True)
