@@ -35,9 +35,8 @@ TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the m
         "and arrows of outrageous fortune, or to take arms against a sea of troubles. ") * 20
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("hf")
+def make_model_dir(path: Path) -> None:
+    """A tiny llama3 with a trained tokenizer and a chat template, saved in HF layout at ``path``."""
     tok = train_bpe([TEXT], 320, path / "tokenizer.json")
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": TEMPLATE}))
     cfg = dataclasses.replace(model_config("llama3", "debug"), vocab_size=tok.vocab_size)
@@ -48,6 +47,12 @@ def hf_dir(tmp_path_factory) -> Path:
             p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen) if p.ndim == 1
                     else 0.15 * torch.randn(p.shape, generator=gen))
     save_hf(model, path)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("hf")
+    make_model_dir(path)
     return path
 
 

@@ -4,42 +4,19 @@ behind :func:`lockstep.serve.create_app` on a free 127.0.0.1 port."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
-from lockstep.data.tokenizer import train_bpe
 from lockstep.generate import Engine, EngineConfig
 from lockstep.load import load_model
-from lockstep.models.common.transformer import build_model
-from lockstep.models.hf import save_hf
-from lockstep.models.registry import model_config
 from lockstep.serve import BackgroundServer, create_app
+from tests.test_cli_generate import make_model_dir  # the generate CLI tests' tiny model directory
 
 MODEL_NAME = "tiny"
-TEMPLATE = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}<|endoftext|>assistant:{% endif %}")
-TEXT = ("To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings "
-        "and arrows of outrageous fortune, or to take arms against a sea of troubles. ") * 20
 #: the served engine's configuration; reference engines in the tests use the same one
 ENGINE = dict(cache_memory_mb=16, max_batch_size=8)
-
-
-def make_model_dir(path: Path) -> None:
-    tok = train_bpe([TEXT], 320, path / "tokenizer.json")
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>", "chat_template": TEMPLATE}))
-    cfg = dataclasses.replace(model_config("llama3", "debug"), vocab_size=tok.vocab_size)
-    model = build_model(cfg, seed=0)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():  # as tests/generate's models: logits O(5), so greedy text varies
-        for p in model.parameters():
-            p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen) if p.ndim == 1
-                    else 0.15 * torch.randn(p.shape, generator=gen))
-    save_hf(model, path)
 
 
 @pytest.fixture(scope="session")
