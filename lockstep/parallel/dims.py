@@ -26,10 +26,10 @@ class ParallelConfig(Config):
     #: routed experts split over ep, FSDP-sharded over the other dp_shard / ep, replicated over dp_replicate)
     ep: int = 1
     #: expert-parallel routed experts: 0 = synchronous uneven all-to-alls (ExpertParallelExperts);
-    #: N >= 1 = the Dist-MoE operation (lockstep.parallel.dist_moe): fixed-capacity dispatch, experts and
+    #: N >= 1 = the Dist-MoE operation (lockstep.parallel.dist_moe): exact-split dispatch, grouped experts,
     #: combine in N chunks whose exchanges overlap the experts (1 = the same operation, no overlap)
     ep_chunks: int = 0
-    #: Dist-MoE capacity per (source rank, expert, chunk): 0 = no-drop (sized to the largest count);
+    #: Dist-MoE capacity per (source rank, expert, chunk): 0 = no-drop (every assignment kept);
     #: f > 0 = ceil(f * chunk_tokens * top_k / n_experts), later tokens dropped and counted
     ep_capacity_factor: float = 0.0
     #: context-parallel degree: each sequence is sharded over cp ranks (causal load balancing)

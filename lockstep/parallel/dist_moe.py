@@ -4,14 +4,17 @@ With ``parallel.ep_chunks = N >= 1`` (:func:`lockstep.parallel.expert.apply_expe
 MoE layer becomes a :class:`DistMoE`: the router, selection bias and metrics stay the model's
 (:class:`~lockstep.models.common.moe.MoE`), and :meth:`DistMoE.routed_and_shared` runs
 
-1. **plan** -- one small blocking ``all_gather`` of each rank's tokens per (chunk, expert); the
-   batch's local tokens are split into N chunks of ``ceil(tokens / N)`` consecutive tokens;
-2. **dispatch** -- per chunk, one equal-split ``all_to_all_single`` of a fixed-capacity buffer
-   ``[ep, n_local, R, D]``: R rows per (destination expert, source rank), the real rows first, the
-   rest padding (zero rows: expert id -1, weight 0);
-3. **experts** -- the owner's local experts as ``bmm`` over ``[n_local, ep * R, D]`` (SwiGLU or the
-   family's activation);
-4. **combine** -- the results back with the reverse equal-split exchange, then each token's kept
+1. **plan** -- one small blocking ``all_gather`` of each rank's assignment counts per (chunk,
+   expert) (:mod:`lockstep.parallel.dist_moe_plan`): every rank then knows the exact split sizes of
+   every exchange of the call; the batch's local tokens are split into N chunks of
+   ``ceil(tokens / N)`` consecutive tokens;
+2. **dispatch** -- per chunk, one uneven ``all_to_all_single`` of exactly the kept rows, sorted by
+   destination expert (no padding on the wire);
+3. **experts** -- the owner regroups what it received by local expert, pads each expert's group to
+   a multiple of 16 rows (zero rows that feed no token: a GEMM row's bits on this CPU do not depend
+   on its neighbours from 16 rows on) and runs its experts as one grouped GEMM
+   (``torch._grouped_mm``; SwiGLU or the family's activation);
+4. **combine** -- the results back with the reverse uneven exchange, then each token's kept
    assignments weighted and summed (the MoE module's own order: by expert).
 
 Overlap: the dispatch of chunk k+1 is issued (``async_op=True``; gloo progresses it on its own
@@ -23,16 +26,17 @@ input gradients travel. ``ep_chunks = 1`` is the same operation without overlap.
 
 Capacity (``parallel.ep_capacity_factor``):
 
-* ``0`` (default) **no-drop**: R is the largest count any rank sends to any expert in any chunk
-  (known from step 1), so no assignment is ever dropped; the buffers are as small as that allows;
+* ``0`` (default) **no-drop**: every assignment travels and is computed; the rows sent and
+  computed are the real ones (plus at most 15 padding rows per expert and chunk at the owner);
 * ``f > 0`` **drop**: capacity ``ceil(f * chunk_tokens * k / E)`` per (source rank, expert, chunk);
   within a (chunk, expert) the earliest tokens keep their slots and the rest are dropped (their
   weight is lost, the token keeps its other experts, the shared experts and the residual). The
   dropped set is a deterministic function of the routing; it depends on ``ep_chunks`` (capacity is
-  per chunk). Every drop is counted (``dropped_tokens``).
+  per chunk). Every drop is counted (``dropped_tokens``). The buffers are not fixed-shape: a
+  capacity bounds them (and the work of the busiest expert) without making them constant.
 
-Bits: ``ep_chunks`` 1, 2, 4 and every no-drop capacity give bitwise-equal losses and gradients
-(:mod:`lockstep.parallel.dist_moe_ops` says why). Against the synchronous uneven exchange of
+Bits: ``ep_chunks`` 1, 2, 4 and every capacity that drops nothing give bitwise-equal losses and
+gradients (:mod:`lockstep.parallel.dist_moe_ops` says why). Against the synchronous uneven exchange of
 :class:`~lockstep.parallel.expert.ExpertParallelExperts` equality is measured, not built in (other
 matmul calls): the tests find equal bits on the debug flavors at ep 2 and 4 in fp32.
 
@@ -59,7 +63,8 @@ from torch.distributed.tensor import DTensor
 from lockstep.config.base import ConfigError
 from lockstep.graph.state import is_capturing
 from lockstep.models.common.moe import MoE
-from lockstep.parallel.dist_moe_ops import CallState, Dispatch, ExpertsCombine, Recorder, make_plan
+from lockstep.parallel.dist_moe_ops import CallState, Dispatch, ExpertsCombine, Recorder
+from lockstep.parallel.dist_moe_plan import make_plan
 
 TIMES = ("dispatch_wait_s", "combine_wait_s", "sync_wait_s", "dispatch_s", "combine_s")
 
@@ -73,7 +78,7 @@ def describe_dispatch(config) -> dict:
     if config.ep_chunks == 0:
         return {"operation": "synchronous uneven all_to_all (ExpertParallelExperts)", "ep_chunks": 0,
                 "drop_policy": "no-drop"}
-    return {"operation": "dist_moe: fixed-capacity all_to_all dispatch -> bmm experts -> combine, one autograd "
+    return {"operation": "dist_moe: exact-split all_to_all dispatch -> grouped experts -> combine, one autograd "
                          "function per direction", "ep_chunks": config.ep_chunks, "overlap": config.ep_chunks > 1,
             "capacity_factor": config.ep_capacity_factor, "drop_policy": drop_policy(config.ep_capacity_factor),
             "metrics": "moe/dispatch_wait_s, moe/combine_wait_s, moe/sync_wait_s, moe/hidden_frac, moe/imbalance, "

@@ -20,7 +20,7 @@ gradients come back to the owner and input gradients to the sender.
 That is the default (``parallel.ep_chunks = 0``): synchronous, each exchange sized by the counts.
 With ``parallel.ep_chunks = N >= 1`` every MoE layer instead runs the routed experts as the
 Dist-MoE operation (:mod:`lockstep.parallel.dist_moe`): dispatch, grouped experts and the weighted
-combine over fixed-capacity buffers (``parallel.ep_capacity_factor``; 0 = no-drop), the batch in N
+combine over exact-split exchanges (``parallel.ep_capacity_factor`` drops past a capacity; 0 = no-drop), the batch in N
 chunks whose asynchronous exchanges overlap the experts of the neighbouring chunks (and the shared
 experts), forward and backward, with exposed / hidden communication, imbalance and dropped tokens
 in the step metrics. The experts and everything below (gradients, state dicts) are the same. Everything else (router,
@@ -259,7 +259,7 @@ def apply_expert_parallel(model: nn.Module, ep_group=None, ep_chunks: int = 0,
 
     ``ep_chunks`` (``parallel.ep_chunks``): 0 keeps the synchronous uneven exchange of
     :class:`ExpertParallelExperts`; N >= 1 makes every MoE layer a
-    :class:`~lockstep.parallel.dist_moe.DistMoE` (fixed-capacity dispatch / experts / combine in N
+    :class:`~lockstep.parallel.dist_moe.DistMoE` (exact-split dispatch / grouped experts / combine in N
     overlapped chunks, ``capacity_factor`` = ``parallel.ep_capacity_factor``, 0 = no-drop) and adds
     ``model.moe``, a parameter-free module whose ``pop_auxiliary`` reports the layers' totals.
 

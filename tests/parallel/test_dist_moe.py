@@ -27,7 +27,8 @@ from lockstep.models.common.transformer import build_model
 from lockstep.models.registry import model_config
 from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.dist_moe import DistMoE
-from lockstep.parallel.dist_moe_ops import Recorder, make_plan, record_timeline
+from lockstep.parallel.dist_moe_ops import Recorder, record_timeline
+from lockstep.parallel.dist_moe_plan import make_plan
 from lockstep.parallel.expert import apply_expert_parallel, sync_expert_parallel_grads
 
 STEPS = 2
