@@ -6,8 +6,10 @@ The competitor is the engine itself: ``Engine.generate`` of the same N requests 
 process each streaming one completion (``stream: true``) at once. Both: greedy, the same prompt,
 ``--new-tokens`` new tokens each (``ignore_eos``), 2 torch threads; sides interleaved round by round
 (the host's speed drifts). Output tokens/s = all generated tokens over the wall time of the whole
-batch (prefill included); the server row also gives the median time to first token. The ratio
-server / engine is what serving costs (1.0 = nothing).
+batch (prefill included). Latencies, per side and client count over every round: time to first token
+(request sent -> first token received) and inter-token latency (gap between a request's successive
+tokens), p50/p90/p99. The ratio server / engine is what serving costs (1.0 = nothing); who goes first
+alternates round by round.
 
 The in-process side runs on a worker thread, like the server's engine loop: on this 2-vCPU host
 under load (load average ~25 from other jobs), the same engine ran ~20x slower on the main thread
@@ -35,6 +37,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import torch
 
 from lockstep.generate import Engine, EngineConfig, Request, SamplingParams
@@ -75,40 +78,75 @@ class serve_process:
         self.proc.wait(60)
 
 
-def engine_side(engine: Engine, prompt_ids: list[int], clients: int, new_tokens: int) -> float:
-    """``Engine.generate`` of the batch, on a fresh thread (as the server's engine loop runs: see the
-    module docstring)."""
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (nearest rank) of ``values``."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+class Latencies:
+    """Per-request time to first token and per-token gaps after it (seconds), over every round."""
+
+    def __init__(self) -> None:
+        self.ttft: list[float] = []
+        self.itl: list[float] = []
+
+    def add(self, sent: float, arrivals: list[tuple[float, int]]) -> None:
+        """``arrivals``: (time, tokens that arrived then) of one request, in order."""
+        self.ttft.append(arrivals[0][0] - sent)
+        for (t0, _), (t1, n) in zip(arrivals, arrivals[1:]):
+            self.itl.extend([(t1 - t0) / n] * n)
+
+    def summary(self) -> str:
+        ms = lambda v, q: f"{1000 * percentile(v, q):.0f}"  # noqa: E731
+        return (f"TTFT p50/p90/p99 {ms(self.ttft, 50)}/{ms(self.ttft, 90)}/{ms(self.ttft, 99)} ms, "
+                f"inter-token p50/p90/p99 {ms(self.itl, 50)}/{ms(self.itl, 90)}/{ms(self.itl, 99)} ms")
+
+
+def engine_side(engine: Engine, prompt_ids: list[int], clients: int, new_tokens: int,
+                latencies: Latencies | None = None) -> float:
+    """``Engine.stream`` of the batch, on a fresh thread (as the server's engine loop runs: see the
+    module docstring); token arrival times from its events."""
     sampling = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     out: list[float] = []
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in range(clients)]
 
     def run() -> None:
         start = time.perf_counter()
-        results = engine.generate([Request(prompt_ids=prompt_ids, sampling=sampling) for _ in range(clients)])
+        for event in engine.stream([Request(prompt_ids=prompt_ids, sampling=sampling) for _ in range(clients)]):
+            arrivals[event.index].append((time.perf_counter(), 1))
         out.append(time.perf_counter() - start)
-        assert all(len(r.token_ids) == new_tokens for r in results)
+        out.append(start)
 
     thread = threading.Thread(target=run)
     thread.start()
     thread.join()
+    assert [len(a) for a in arrivals] == [new_tokens] * clients, [len(a) for a in arrivals]
+    if latencies is not None:
+        for a in arrivals:
+            latencies.add(out[1], a)
     return clients * new_tokens / out[0]
 
 
-def server_side(base_url: str, prompt_ids: list[int], clients: int, new_tokens: int) -> tuple[float, float]:
-    body = {"model": "bench", "prompt": prompt_ids, "max_tokens": new_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True}
-    counts, firsts = [0] * clients, [0.0] * clients
+def server_side(base_url: str, prompt_ids: list[int], clients: int, new_tokens: int,
+                latencies: Latencies | None = None) -> float:
+    """N threads, each an ``openai.OpenAI`` client streaming one completion at once."""
+    counts = [0] * clients
+    arrivals: list[list[tuple[float, int]]] = [[] for _ in range(clients)]
+    sent = [0.0] * clients
     barrier = threading.Barrier(clients + 1)
+    extra = {"ignore_eos": True, "return_token_ids": True}
 
     def client(i: int) -> None:
+        api = openai.OpenAI(base_url=base_url + "/v1", api_key="unused", timeout=600, max_retries=0)
         barrier.wait()
-        sent = time.perf_counter()
-        with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=600) as response:
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                ids = json.loads(line[6:])["choices"][0]["token_ids"]
-                if ids and not counts[i]:
-                    firsts[i] = time.perf_counter() - sent
+        sent[i] = time.perf_counter()
+        stream = api.completions.create(model="bench", prompt=prompt_ids, max_tokens=new_tokens, temperature=0,
+                                        stream=True, extra_body=extra)
+        for chunk in stream:
+            ids = (chunk.choices[0].model_extra or {}).get("token_ids") if chunk.choices else None
+            if ids:
+                arrivals[i].append((time.perf_counter(), len(ids)))
                 counts[i] += len(ids)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
@@ -120,7 +158,10 @@ def server_side(base_url: str, prompt_ids: list[int], clients: int, new_tokens: 
         t.join()
     wall = time.perf_counter() - start
     assert counts == [new_tokens] * clients, counts
-    return sum(counts) / wall, statistics.median(firsts)
+    if latencies is not None:
+        for i in range(clients):
+            latencies.add(sent[i], arrivals[i])
+    return sum(counts) / wall
 
 
 def main() -> None:
@@ -142,27 +183,30 @@ def main() -> None:
     direct, source = engine()
     prompt_ids = source.tokenizer.encode(PROMPT)
     print(f"{source.description}, {args.dtype}, prompt {len(prompt_ids)} tokens, {args.new_tokens} new tokens, "
-          f"torch threads {torch.get_num_threads()}")
-    rows: dict[int, dict[str, list[float]]] = {c: {"engine": [], "server": [], "ttft": []} for c in clients}
+          f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()}", flush=True)
+    rows = {c: {"engine": [], "server": [], "lat_engine": Latencies(), "lat_server": Latencies()} for c in clients}
     with serve_process(args, max(clients)) as base_url:
         for c in clients:  # warm-up: first steps of each batch size (kernels, packing)
             engine_side(direct, prompt_ids, c, 4)
             server_side(base_url, prompt_ids, c, 4)
-        for _ in range(args.rounds):
+        for r in range(args.rounds):
             for c in clients:
-                rows[c]["engine"].append(engine_side(direct, prompt_ids, c, args.new_tokens))
-                tps, ttft = server_side(base_url, prompt_ids, c, args.new_tokens)
-                rows[c]["server"].append(tps)
-                rows[c]["ttft"].append(ttft)
+                sides = [("engine", engine_side, direct), ("server", server_side, base_url)]
+                for name, run, target in sides if r % 2 == 0 else sides[::-1]:  # alternate who goes first
+                    rows[c][name].append(run(target, prompt_ids, c, args.new_tokens, rows[c][f"lat_{name}"]))
         stats = json.loads(httpx.get(base_url + "/stats").read())
-    print(f"{'clients':>7} {'engine tok/s':>13} {'server tok/s':>13} {'ratio (median)':>15} {'ratio (best)':>13} "
-          f"{'server TTFT ms':>15}")
+    print(f"load average after: {os.getloadavg()}")
+    print(f"{'clients':>7} {'engine tok/s':>13} {'server tok/s':>13} {'ratio (median)':>15} {'range':>11} "
+          f"{'ratio (best)':>13}")
     for c in clients:
         r = rows[c]
         ratios = [s / e for s, e in zip(r["server"], r["engine"])]
         print(f"{c:>7} {statistics.median(r['engine']):>13.1f} {statistics.median(r['server']):>13.1f} "
-              f"{statistics.median(ratios):>15.2f} {max(r['server']) / max(r['engine']):>13.2f} "
-              f"{1000 * statistics.median(r['ttft']):>15.0f}")
+              f"{statistics.median(ratios):>15.2f} {min(ratios):>5.2f}-{max(ratios):<5.2f} "
+              f"{max(r['server']) / max(r['engine']):>13.2f}")
+    for c in clients:
+        print(f"{c:>3} clients: engine {rows[c]['lat_engine'].summary()}")
+        print(f"{c:>3} clients: server {rows[c]['lat_server'].summary()}")
     print(f"server engine loop: {stats['steps']} steps ({stats['step_seconds']:.1f} s inside engine.step), most "
           f"requests in one step {stats['max_active']}, {stats['batched_steps']} batched steps")
     print(f"server seconds per step {stats['step_seconds'] / stats['steps']:.3f} (all batch sizes, warm-up included)")
