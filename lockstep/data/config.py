@@ -29,6 +29,7 @@ from safetensors.torch import save as save_safetensors
 from lockstep.config.base import Config, join_path, require, require_choice, require_positive
 from lockstep.data import corpus
 from lockstep.data.cache import atomic_write_bytes, cache_dir, file_lock, sha256_file
+from lockstep.data.image_mix import ImageMixConfig
 from lockstep.data.loader import PackedLoader
 from lockstep.data.tokenizer import Tokenizer, train_bpe
 
@@ -54,6 +55,8 @@ class DataConfig(Config):
     val_fraction: float = 0.1
     #: Seed of the deterministic train/validation split of works.
     split_seed: int = 0
+    #: Image+text samples packed beside the text (vision-language models; lockstep.data.image_mix).
+    images: ImageMixConfig = dataclasses.field(default_factory=ImageMixConfig)
 
     def validate(self, path: str = "") -> None:
         super().validate(path)
@@ -85,20 +88,28 @@ class DataConfig(Config):
         return self.dataset_dir() / f"tokenizer-{self.vocab_size}.json"
 
     def build(  # type: ignore[override]
-        self, *, seq_len: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1
+        self, *, seq_len: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+        model_config: Any = None,
     ) -> "DataBundle":
         """Prepare (or load from cache) everything and return tokenizer plus loaders.
 
         ``seed`` seeds the training loader's per-epoch shuffle; validation is unshuffled.
+        ``model_config``: the model's config (``images`` needs its vision tower and image token ids).
         """
         prepared = _prepare(self)
         common = dict(seq_len=seq_len, batch_size=batch_size, rank=rank, world_size=world_size)
+        if self.images.enabled:
+            from lockstep.data.image_mix import image_mix_loaders
+
+            train, val = image_mix_loaders(self.images, prepared.tokenizer, model_config, prepared.train,
+                                           prepared.val, seed=seed, **common)
+        else:
+            train = PackedLoader(prepared.train, seed=seed, shuffle=True, name="train split", **common)
+            val = PackedLoader(prepared.val, seed=seed, shuffle=False, name="validation split", **common)
         return DataBundle(
             tokenizer=prepared.tokenizer,
-            train=PackedLoader(prepared.train, seed=seed, shuffle=True, name="train split",
-                               **common),
-            val=PackedLoader(prepared.val, seed=seed, shuffle=False, name="validation split",
-                             **common),
+            train=train,
+            val=val,
             train_tokens=prepared.train.numel(),
             val_tokens=prepared.val.numel(),
             train_works=prepared.info["train_work_names"],

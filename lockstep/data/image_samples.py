@@ -61,6 +61,11 @@ class ImageTextBatch:
         """Keyword arguments of ``Qwen3VLModel.forward`` besides the tokens."""
         return {"pixel_values": self.pixel_values, "grid_thw": self.grid_thw}
 
+    def to(self, device: torch.device | str) -> "ImageTextBatch":
+        """The batch on ``device`` (the runtime's step seam places a batch by its ``to``)."""
+        move = (lambda t: None if t is None else t.to(device))
+        return ImageTextBatch(move(self.tokens), move(self.targets), move(self.pixel_values), move(self.grid_thw))
+
 
 def expand_markers(tokens: Sequence[int], counts: Sequence[int], ids: VisionTokens) -> list[int]:
     """``tokens`` with the i-th marker replaced by start, ``counts[i]`` image tokens, end."""
@@ -88,11 +93,13 @@ def collate(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: Im
     too_long = [i for i, r in enumerate(rows) if len(r) > width]
     if too_long:
         raise ValueError(f"samples{too_long}: longer than seq_len={width} after expanding their images")
-    return _batch(rows, expanded, ids, pad_id, width)
+    return rows_batch(rows, expanded, ids, pad_id, width)
 
 
-def _expanded(sample: ImageTextSample, ids: VisionTokens, processor: ImageProcessorConfig
+def expand_sample(sample: ImageTextSample, ids: VisionTokens, processor: ImageProcessorConfig
               ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
+    """``(token row with the images' placeholders, pixel_values, grid_thw)`` of one sample (images None
+    without images)."""
     processed = preprocess_images(sample.images, processor) if sample.images else None
     counts = processed.tokens_per_image(processor.merge_size) if processed else []
     row = expand_markers(sample.tokens, counts, ids)
@@ -106,15 +113,16 @@ def _expand_all(samples: Sequence[ImageTextSample], ids: VisionTokens, processor
     out = []
     for index, sample in enumerate(samples):
         try:
-            out.append(_expanded(sample, ids, processor))
+            out.append(expand_sample(sample, ids, processor))
         except ValueError as err:
             raise ValueError(f"samples[{index}]: {err}") from None
     return out
 
 
-def _batch(rows: list[list[int]], expanded: list[tuple[list[int], torch.Tensor | None, torch.Tensor | None]],
+def rows_batch(rows: list[list[int]], expanded: list[tuple[list[int], torch.Tensor | None, torch.Tensor | None]],
            ids: VisionTokens, pad_id: int, width: int) -> ImageTextBatch:
-    """Rows right-padded to ``width``, their targets, and the images of ``expanded`` in order."""
+    """Rows right-padded to ``width``, their targets, and the images of ``expanded`` (items of
+    :func:`expand_sample`, in the order their images appear in the rows)."""
     tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
     targets = torch.full((len(rows), width), IGNORE, dtype=torch.long)
     for b, row in enumerate(rows):
@@ -140,7 +148,7 @@ def pack(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: Image
         if len(rows[-1]) + len(row) > seq_len:
             rows.append([])
         rows[-1].extend(row)
-    return _batch(rows, expanded, ids, pad_id, seq_len)
+    return rows_batch(rows, expanded, ids, pad_id, seq_len)
 
 
 class ImageTextLoader:

@@ -37,7 +37,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 class LMObjective:
     """Next-token cross-entropy of ``(inputs, targets)`` ``[B, T]`` plus the model's auxiliary
-    losses (MoE balance terms), with its module metrics in the report.
+    losses (MoE balance terms), with its module metrics in the report. An image+text batch
+    (:class:`~lockstep.data.image_samples.ImageTextBatch`) passes its images to the model; its
+    ``IGNORE`` targets (image placeholders, padding) are not scored.
 
     ``context``: a ContextParallel (cp > 1): each rank runs its share of every sequence
     (``shard_batch``) and backpropagates its part of the global mean; the report holds that mean.
@@ -47,10 +49,15 @@ class LMObjective:
         self.context = context
 
     def __call__(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, StepLoss]:
-        inputs, targets = batch
-        if self.context is None:
+        if not isinstance(batch, (tuple, list)):  # an ImageTextBatch: its images go to the model
+            if self.context is not None:
+                raise ValueError("LMObjective: image+text batches do not run under context parallel (cp > 1)")
+            local = main = lm_loss(model(batch.tokens, **batch.model_inputs()), batch.targets)
+        elif self.context is None:
+            inputs, targets = batch
             local = main = lm_loss(model(inputs), targets)
         else:
+            inputs, targets = batch
             inputs, targets, positions = self.context.shard_batch(inputs, targets)
             local, main = self.context.cross_entropy(model(inputs, positions=positions), targets)
         aux_losses, metrics = model.pop_auxiliary()

@@ -10,6 +10,7 @@ from lockstep.compile.config import CompileConfig
 from lockstep.config.run import RunConfig
 from lockstep.convert.config import LowPrecisionConfig
 from lockstep.data.config import DataConfig
+from lockstep.data.image_mix import check_image_training
 from lockstep.graph.config import GraphConfig, check_graph_layout
 from lockstep.models.common.sparse_indexer import refuse_batch_invariant
 from lockstep.models.common.transformer import TransformerConfig
@@ -206,6 +207,7 @@ class TrainerConfig(RunConfig):
         self.low_precision.check_run(batch_invariant=self.numerics.batch_invariant, mode=self.training.mode,
                                      tp=self.parallel.tp, ep=self.parallel.ep)
         refuse_batch_invariant(self.model, self.numerics.batch_invariant)
+        check_image_training(self.data.images, self.parallel, self.training.mode)
         if self.numerics.batch_invariant:
             require(self.parallel.tp == 1 and self.parallel.cp == 1 and self.parallel.pp == 1,
                     "numerics.batch_invariant", "is supported without tensor, context or pipeline parallelism "

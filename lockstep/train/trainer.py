@@ -78,7 +78,8 @@ class Trainer:
 
             self.init_path = resolve_source(config.init_from, "init_from")
         self.data: DataBundle = config.data.build(seq_len=cfg.seq_len, batch_size=cfg.batch_size // dp,
-                                                  seed=config.seed, rank=self.runtime.dp_rank, world_size=dp)
+                                                  seed=config.seed, rank=self.runtime.dp_rank, world_size=dp,
+                                                  model_config=config.model)
         if self.data.tokenizer.vocab_size > config.model.vocab_size:
             raise ConfigError(
                 f"model.vocab_size: {config.model.vocab_size} is smaller than the tokenizer's "

@@ -1,0 +1,43 @@
+"""Vision-language recipes: a tiny Qwen3-VL trained on image+text rows (``lockstep train``) and RL on an
+image question (``lockstep rl``).
+
+- ``debug-qwen3-vl``: the ``qwen3_vl`` debug flavor (2-block ViT with DeepStack, 3-layer decoder with
+  mRoPE) on rows that each hold a generated shape image with its caption and a Shakespeare window
+  (``data.images.source = "shapes"``, :mod:`lockstep.data.image_mix`). The model's vocabulary is the
+  Shakespeare tokenizer's 4096 ids plus the image token ids above them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lockstep.data.config import DataConfig
+from lockstep.data.image_mix import ImageMixConfig
+from lockstep.models.qwen3_vl.config import Qwen3VLConfig
+from lockstep.models.registry import model_config
+from lockstep.recipes.pretrain import debug
+from lockstep.recipes.registry import recipe
+from lockstep.train.config import TrainerConfig
+
+#: the Shakespeare tokenizer's vocabulary (ids below it are text)
+TEXT_VOCAB = 4096
+
+
+def shakespeare_vl_model(flavor: str = "debug") -> Qwen3VLConfig:
+    """A ``qwen3_vl`` flavor whose vocabulary is the Shakespeare tokenizer's plus the vision tokens after it
+    (the flavors put them at the top of a 4096 vocabulary, where the tokenizer's own merges are)."""
+    cfg = model_config("qwen3_vl", flavor)
+    return dataclasses.replace(cfg, vocab_size=TEXT_VOCAB + 8, vision_start_token_id=TEXT_VOCAB,
+                               vision_end_token_id=TEXT_VOCAB + 1, image_token_id=TEXT_VOCAB + 2,
+                               video_token_id=TEXT_VOCAB + 3, flavor=f"{flavor}-shakespeare")
+
+
+@recipe("debug-qwen3-vl", "tiny qwen3_vl (ViT + DeepStack + mRoPE) on rows of a shape image + caption and "
+        "Shakespeare text: seconds per run, for tests")
+def debug_qwen3_vl() -> TrainerConfig:
+    cfg = debug()
+    cfg.model = shakespeare_vl_model()
+    cfg.data = DataConfig(images=ImageMixConfig(source="shapes"))
+    cfg.training.seq_len = 64
+    cfg.output.parity_check = False
+    return cfg
