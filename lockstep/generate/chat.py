@@ -6,6 +6,12 @@ string, or a list of ``{"name", "template"}`` with a ``"default"`` one) or besid
 :meth:`ChatTemplate.render` turns a list of ``{"role", "content"}`` messages into the prompt text
 and :meth:`ChatTemplate.encode` into the token ids to put in ``Request.prompt_ids``.
 
+A message's ``content`` is a string or a list of parts (``{"type": "text", "text": ...}``, image parts:
+``{"type": "image", ...}`` / OpenAI's ``{"type": "image_url", ...}``), which the template renders (Qwen3-VL's
+writes ``<|vision_start|><|image_pad|><|vision_end|>`` per image); :func:`message_images` collects the images
+for ``Request.images``, and the engine expands each image's one placeholder to its merged patch count, as
+transformers' processor does (:mod:`lockstep.generate.vision`).
+
 Rendering follows ``transformers``' ``apply_chat_template`` so a prompt is the one the model was
 tuned on: an ``ImmutableSandboxedEnvironment`` (the template is data from a model download, not
 trusted code) with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a
@@ -105,9 +111,67 @@ def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ConfigError(f"messages[{i}]: must be a dict with 'role' and 'content', got {type(message).__name__}")
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise ConfigError(f"messages[{i}].{key}: must be a string, got {message.get(key)!r}")
+        if not isinstance(message.get("role"), str):
+            raise ConfigError(f"messages[{i}].role: must be a string, got {message.get('role')!r}")
+        content = message.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, Sequence) or isinstance(content, bytes):
+            raise ConfigError(f"messages[{i}].content: must be a string or a list of parts, got {content!r}")
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or not isinstance(part.get("type"), str):
+                raise ConfigError(f"messages[{i}].content[{j}]: must be a dict with a 'type' ('text', 'image', "
+                                  f"'image_url'), got {part!r}")
+
+
+#: keys of an image part that hold the image (transformers' ``{"type": "image", "image" | "url" | "path"}``)
+_IMAGE_KEYS = ("image", "url", "path")
+
+
+def message_images(messages: Sequence[Mapping[str, Any]]) -> list[Any]:
+    """The images of ``messages``' image parts, in order (what ``Request.images`` takes beside the
+    rendered prompt): transformers' ``{"type": "image", "image": ...}`` (or ``"url"`` / ``"path"``) and
+    OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}``. A value is a PIL image, a uint8
+    array, a :class:`lockstep.generate.vision.PixelImage`, a local file path (``file://`` too) or a
+    ``data:image/...;base64,`` URL; web URLs are refused (nothing is downloaded)."""
+    _check_messages(messages)
+    images = []
+    for i, message in enumerate(messages):
+        content = message["content"]
+        for j, part in enumerate([] if isinstance(content, str) else content):
+            where = f"messages[{i}].content[{j}]"
+            if part["type"] == "image_url":
+                value = part.get("image_url")
+                value = value.get("url") if isinstance(value, Mapping) else value
+            elif part["type"] == "image":
+                value = next((part[k] for k in _IMAGE_KEYS if part.get(k) is not None), None)
+            else:
+                continue
+            if value is None:
+                raise ConfigError(f"{where}: an image part without its image (keys image, url, path or image_url)")
+            images.append(_load_image(value, where) if isinstance(value, str) else value)
+    return images
+
+
+def _load_image(reference: str, where: str) -> Any:
+    """A PIL image from a local path, a ``file://`` URL or a base64 ``data:`` URL."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    if reference.startswith(("http://", "https://")):
+        raise ConfigError(f"{where}: {reference[:80]!r} is a web URL; images are not downloaded (give a local path, "
+                          f"a data: URL or the image itself)")
+    try:
+        if reference.startswith("data:"):
+            return Image.open(io.BytesIO(base64.b64decode(reference.split(",", 1)[1])))
+        path = reference[len("file://"):] if reference.startswith("file://") else reference
+        with Image.open(path) as image:
+            image.load()
+            return image
+    except (OSError, ValueError, IndexError) as err:
+        raise ConfigError(f"{where}: cannot read the image {reference[:80]!r}: {err}") from None
 
 
 _COMPILED: dict[str, Any] = {}

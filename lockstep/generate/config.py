@@ -77,6 +77,10 @@ class EngineConfig(Config):
     speculative: str = "none"
     #: with speculative="mtp": tokens drafted per verify forward (chained through the MTP depths)
     draft_tokens: int = 2
+    #: requests with images (vision-language models, lockstep.generate.vision): fewest / most pixels of an
+    #: image after the processor's resize (preprocessor_config.json min_pixels / max_pixels; Qwen3-VL's)
+    image_min_pixels: int = 65536
+    image_max_pixels: int = 16777216
 
     def validate(self, path: str = "engine") -> None:
         require_positive(self.cache_memory_mb, f"{path}.cache_memory_mb")
@@ -93,6 +97,9 @@ class EngineConfig(Config):
         require_choice(self.speculative, SPECULATIVE_MODES, f"{path}.speculative")
         require(isinstance(self.draft_tokens, int) and self.draft_tokens >= 1, f"{path}.draft_tokens",
                 f"must be an integer >= 1, got {self.draft_tokens!r}")
+        require_positive(self.image_min_pixels, f"{path}.image_min_pixels")
+        require(self.image_max_pixels >= self.image_min_pixels, f"{path}.image_max_pixels",
+                f"must be >= image_min_pixels ({self.image_min_pixels}), got {self.image_max_pixels}")
 
     def build(self, *, model: Any, tokenizer: Any = None) -> "Engine":
         from lockstep.generate.engine import Engine
@@ -148,7 +155,8 @@ class SamplingParams(Config):
 
 @dataclasses.dataclass(kw_only=True)
 class Request:
-    """One prompt to complete: token ids, or text when the engine has a tokenizer."""
+    """One prompt to complete: token ids, or text when the engine has a tokenizer; with images for a
+    vision-language model (one placeholder run per image in the prompt; :mod:`lockstep.generate.vision`)."""
 
     #: the prompt's token ids (the model sees exactly these; no BOS is added)
     prompt_ids: list[int] | None = None
@@ -158,6 +166,8 @@ class Request:
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     #: caller's label, returned with the result
     request_id: str | None = None
+    #: the prompt's images, in order: PIL images, uint8 arrays [H, W(, 3)] or lockstep.generate.vision.PixelImage
+    images: list[Any] | None = None
 
     def token_ids(self, tokenizer, vocab_size: int) -> list[int]:
         """The prompt's token ids (``prompt_ids``, or ``prompt`` encoded with ``tokenizer``), checked: one of

@@ -41,6 +41,7 @@ from torch import nn
 from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate.cache import PagedKVCache, StepMetadata, layer_layouts, window_tables
+from lockstep.generate.compressed_cache import CompressedStateCache
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.packed import linear_kernel, pack_linears, packable, sibling_grouping_pass
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker, final_results, follow
@@ -49,6 +50,7 @@ from lockstep.generate.recurrent import RecurrentStateCache, recurrent_layers
 from lockstep.generate.sampling import request_generator, sample_next
 from lockstep.generate.scheduler import Scheduler, Sequence
 from lockstep.generate.speculative import MTPSpeculator, check_speculative, mtp_layouts
+from lockstep.generate.vision import ImageInputs, refuse_images
 from lockstep.generate.weights import ShadowWeights, parse_dtype
 
 
@@ -128,13 +130,17 @@ class Engine:
                                   in_place_decode=config.paged_attention, window_blocks=window_blocks)
         self.scheduler = Scheduler(self.cache.allocator, config.block_size, config.max_batch_size,
                                    config.max_prefill_tokens, self.cache.window_allocator, self.cache.window_span)
-        #: per-sequence state of linear-attention layers (hybrid models), None without such layers
-        self.recurrent = RecurrentStateCache.for_model(runner, config.max_batch_size, self.dtype, self.device)
+        #: per-sequence state beside the paged cache: linear-attention layers (hybrid models) or
+        #: DeepSeek-V4's compressed attention (lockstep.generate.compressed_cache); None without either
+        self.recurrent = (RecurrentStateCache.for_model(runner, config.max_batch_size, self.dtype, self.device)
+                          or CompressedStateCache.for_model(runner, config.max_batch_size, self.dtype, self.device))
         #: what the model's trunk is handed: the paged KV cache, beside the recurrent state if any
         self._model_cache = self.recurrent.wrap(self.cache) if self.recurrent is not None else self.cache
         check_prefill_chunk(config.prefill_chunk, self.cache.window)
         #: drafts and verification of MTP speculative decoding (EngineConfig.speculative), None when off
         self.speculator = MTPSpeculator(self, config.draft_tokens) if config.speculative == "mtp" else None
+        #: images of requests to a vision-language model (lockstep.generate.vision), None for text-only models
+        self.vision = ImageInputs.for_model(runner, config.image_min_pixels, config.image_max_pixels)
         #: optional hook, called as ``on_logits(seq_ids, logits [B, V] fp32)`` for every sampled row (tests, debugging)
         self.on_logits: Callable[[list[int], torch.Tensor], None] | None = None
         self._next_id = 0
@@ -181,7 +187,13 @@ class Engine:
         sp.validate("sampling")
         if self.speculator is not None:
             self.speculator.check_request(sp.greedy)
-        prompt = self._prompt_ids(request)
+        prompt, visual = self._prompt_ids(request), None
+        if self.vision is None:
+            refuse_images(request, self.model)
+        else:
+            if request.images and self.speculator is not None:
+                raise ConfigError("Request.images: speculative decoding does not take images")
+            prompt, visual = self.vision.admit(request, prompt)
         n = len(prompt)
         if n > self.max_seq_len:
             raise ConfigError(f"Request.prompt_ids: the prompt has {n} tokens, longer than the model's context "
@@ -202,7 +214,8 @@ class Engine:
         if self.eos_id is not None and not sp.ignore_eos:
             stop_ids.add(self.eos_id)
         seq = Sequence(self._next_id, request, prompt, max_new, frozenset(stop_ids),
-                       None if sp.greedy else request_generator(sp.seed), TextTracker(self.tokenizer, sp.stop))
+                       None if sp.greedy else request_generator(sp.seed), TextTracker(self.tokenizer, sp.stop),
+                       visual=visual)
         self._next_id += 1
         return seq
 
@@ -308,6 +321,8 @@ class Engine:
         tables = self._block_tables(seqs, n_blocks, rows)
         valid = torch.arange(rows)[:, None] < b
         positions = self._set_step(tables, positions, valid, seqs)
+        if self.vision is not None:  # rotary positions continue from each image prompt's mRoPE offset
+            positions = self.vision.decode_positions(seqs, positions)
         if self.recurrent is not None:
             self.recurrent.set_step([s.seq_id for s in seqs], rows=rows)
         tokens = tokens.to(self.device)
@@ -374,10 +389,15 @@ class Engine:
 
     # ----------------------------------------------------------------- sampling
 
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token and its log-probability (a generation group's engine takes group
+        rank 0's: :class:`lockstep.generate.parallel.GroupEngine`)."""
+        return sample_next(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
+
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StreamEvent]:
         if self.on_logits is not None:
             self.on_logits([s.seq_id for s in seqs], logits)
-        tokens, logprobs = sample_next(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
+        tokens, logprobs = self._draw(seqs, logits)
         events = []
         for seq, token, logprob in zip(seqs, tokens.tolist(), logprobs.tolist()):
             seq.generated.append(token)

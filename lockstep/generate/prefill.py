@@ -15,6 +15,9 @@ the *last* position of a step, which a chunk longer than one block overruns). Li
 
 With MTP speculative decoding (:mod:`lockstep.generate.speculative`) each chunk's hidden states also
 run through MTP depth 1 under the same cache metadata, and the rows whose prompt ended draft.
+
+Requests with images (:mod:`lockstep.generate.vision`): the vision tower runs once per request before
+the first chunk; each chunk takes its columns' mRoPE positions and image embeddings.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ def prefill(engine: "Engine", seqs: list[Sequence]) -> list[StreamEvent]:
     chunk = engine.config.prefill_chunk or t
     block_size = engine.config.block_size
     runner, speculator = engine.runner, engine.speculator
+    # requests with images: encoded once here; mRoPE positions and embeddings sliced per chunk
+    images = engine.vision.prefill_batch(runner, seqs, t) if engine.vision is not None else None
     events: list[StreamEvent] = []
     for start in range(0, t, chunk):
         end = min(t, start + chunk)
@@ -58,7 +63,8 @@ def prefill(engine: "Engine", seqs: list[Sequence]) -> list[StreamEvent]:
         if engine.recurrent is not None:  # fresh states on the first chunk; padding leaves them untouched
             engine.recurrent.set_step([s.seq_id for s in seqs], (lengths - start).clamp(0, end - start),
                                       fresh=start == 0)
-        h = runner.trunk(tokens[:, start:end].to(engine.device), positions, cache=engine._model_cache)[2]
+        rope, visual = images.chunk(start, end, positions) if images is not None else (positions, None)
+        h = runner.trunk(tokens[:, start:end].to(engine.device), rope, cache=engine._model_cache, visual=visual)[2]
         ending = [i for i in range(b) if start < int(lengths[i]) <= end]  # prompts whose last token is here
         last = [-1] * b
         if ending:

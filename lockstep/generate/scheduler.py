@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -37,6 +38,8 @@ class Sequence:
     blocks: torch.Tensor | None = None
     #: ring of sliding-window-layer blocks (models with such layers), reserved at admission
     window_blocks: torch.Tensor | None = None
+    #: the request's images (lockstep.generate.vision.SequenceImages), None without images
+    visual: Any = None
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
