@@ -225,6 +225,9 @@ class VllmEngine:
         return _Sequence(seq_id, request, prompt, TextTracker(self.tokenizer, sp.stop), frozenset(stop_ids)), params
 
     def _prompt_ids(self, request: Request) -> list[int]:
+        if request.images:  # vLLM takes images, but this wrapper does not hand them over
+            raise ConfigError("Request.images: the vLLM engine here takes text only; use the lockstep engine "
+                              "for requests with images")
         return request.token_ids(self.tokenizer, self.vocab_size)
 
     # ----------------------------------------------------------------- driving
