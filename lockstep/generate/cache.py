@@ -80,7 +80,8 @@ def layer_layouts(model: nn.Module) -> dict[str, LayerLayout]:
             layouts[name] = LayerLayout("latent", 1, attn.kv_lora_rank + attn.qk_rope_head_dim, attn.kv_lora_rank,
                                         index_dim=index_dim)
         elif isinstance(attn, GroupedQueryAttention):
-            heads = attn.wk.out_features // attn.head_dim
+            weight = attn.wk.weight  # under tensor parallelism (a DTensor) this rank caches its KV heads only
+            heads = (weight.to_local() if hasattr(weight, "to_local") else weight).shape[0] // attn.head_dim
             layouts[name] = LayerLayout("kv", heads, attn.head_dim, attn.head_dim, attn.window)
         else:
             raise ConfigError(f"{path}: {type(attn).__name__} has no KV-cache path in lockstep's engine "

@@ -35,50 +35,69 @@ from lockstep.parallel.tp_blocks import (check_tp_divides, gated_deltanet_plan, 
                                         install_mtp_tp, mla_plan, moe_plan, replicate_auxiliary_losses, sinks_tp)
 
 
-def apply_dense_tp(model: nn.Module, tp_mesh) -> None:
+def apply_dense_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> None:
     """The TP plan of every block kind: GQA or MLA attention, SwiGLU or MoE feed-forward (MLA, MoE
-    and MTP pieces from :mod:`lockstep.parallel.tp_blocks`). Refuses other block kinds."""
+    and MTP pieces from :mod:`lockstep.parallel.tp_blocks`). Refuses other block kinds.
+
+    ``sequence_parallel=False`` (generation, :mod:`lockstep.generate.parallel`): the residual stream
+    is replicated (plain tensors) instead of sharded on the sequence, norms stay plain replicated
+    modules, each row-parallel output is all-reduced, and the head's logits are gathered whole on
+    every rank; the heads / hidden dims / experts are split exactly as in training. Gated DeltaNet
+    layers have the sequence-parallel plan only."""
     _require_tp_blocks(model)
     check_tp_divides(model, tp_mesh.size())
     mtp = getattr(model, "mtp", None)
     # MTP slices the embeddings and final hidden states along the sequence: keep the residual stream
     # as DTensors so those are slices of the whole sequence, not of this rank's shard
-    residual_dtensor = mtp is not None
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
-                                          use_local_output=not residual_dtensor),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    })
+    residual_dtensor = mtp is not None and sequence_parallel
+    if sequence_parallel:
+        parallelize_module(model, tp_mesh, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                              use_local_output=not residual_dtensor),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        })
+    else:
+        parallelize_module(model, tp_mesh, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        })
     for block in model.layers.values():
-        _apply_block_tp(block, tp_mesh, residual_dtensor)
+        _apply_block_tp(block, tp_mesh, residual_dtensor, sequence_parallel)
     for layer in (mtp.values() if mtp is not None else ()):
-        _apply_block_tp(layer.block, tp_mesh, residual_dtensor)
-        install_mtp_tp(layer, tp_mesh)
-    replicate_auxiliary_losses(model, tp_mesh)
+        _apply_block_tp(layer.block, tp_mesh, residual_dtensor, sequence_parallel)
+        if sequence_parallel:  # without it the MTP layer's inputs are already whole (replicated)
+            install_mtp_tp(layer, tp_mesh)
+    if sequence_parallel:
+        replicate_auxiliary_losses(model, tp_mesh)
     # Both the embedding (row-wise) and the head (column-wise) shard the vocabulary dim, so a tied
     # pair stays one parameter: re-tie, since each parallelize call made its own DTensor.
     if model.config.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
         model.output.weight = model.tok_embeddings.weight  # (a pipeline stage may hold only one of them)
 
 
-def _apply_block_tp(block: nn.Module, tp_mesh, residual_dtensor: bool) -> None:
+def _apply_block_tp(block: nn.Module, tp_mesh, residual_dtensor: bool, sequence_parallel: bool = True) -> None:
     local = not residual_dtensor
-    plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()}
+    # the residual stream between blocks: sharded on the sequence (training) or replicated (generation)
+    residual = Shard(1) if sequence_parallel else Replicate()
+    plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel()} if sequence_parallel else {}
     if isinstance(block.attention, MultiHeadLatentAttention):
-        plan.update(mla_plan(block))
-        plan["attention.wo"] = RowwiseParallel(output_layouts=Shard(1), use_local_output=local)
+        plan.update(mla_plan(block, sequence_parallel=sequence_parallel))
+        plan["attention.wo"] = RowwiseParallel(output_layouts=residual, use_local_output=local)
         install_mla_hooks(block.attention, tp_mesh)
     elif isinstance(block.attention, GatedDeltaNet):
+        if not sequence_parallel:
+            raise ConfigError("parallel.tp: Gated DeltaNet (linear attention) layers have a sequence-parallel "
+                              "tensor-parallel plan only (training); not for generation")
         plan.update(gated_deltanet_plan(block, tp_mesh, local))
     else:  # GQA, output-gated (wq's rows [query | gate] per head) or with GPT-OSS biases and sinks
         sinks_tp(block.attention, tp_mesh)
         plan.update({
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention": PrepareModuleInput(input_layouts=(residual, None), desired_input_layouts=(Replicate(), None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=local),
+            "attention.wo": RowwiseParallel(output_layouts=residual, use_local_output=local),
         })
         if block.attention.q_norm is not None:
             # q/k norms act per head on [B, T, heads, D]: heads are sharded, the weight is shared,
@@ -86,13 +105,14 @@ def _apply_block_tp(block: nn.Module, tp_mesh, residual_dtensor: bool) -> None:
             plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if isinstance(block.feed_forward, MoE):
-        plan.update(moe_plan(shared=block.feed_forward.shared_experts is not None, residual_dtensor=residual_dtensor))
+        plan.update(moe_plan(shared=block.feed_forward.shared_experts is not None, residual_dtensor=residual_dtensor,
+                             sequence_parallel=sequence_parallel))
         install_moe_tp(block.feed_forward, tp_mesh)
     else:
         plan.update({
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
             "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=local),
+            "feed_forward.w2": RowwiseParallel(output_layouts=residual, use_local_output=local),
             "feed_forward.w3": ColwiseParallel(),
         })
     parallelize_module(block, tp_mesh, plan)

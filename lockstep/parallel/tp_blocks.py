@@ -112,11 +112,12 @@ def check_tp_divides(model: nn.Module, tp: int) -> None:
                                   f"n_shared_experts x moe_ffn_dim)")
 
 
-def mla_plan(block: nn.Module, prefix: str = "attention") -> dict:
+def mla_plan(block: nn.Module, prefix: str = "attention", sequence_parallel: bool = True) -> dict:
     attn = block.get_submodule(prefix)
+    residual = Shard(1) if sequence_parallel else Replicate()
     plan = {
         # the gathered sequence as a plain tensor: the latent projections are plain (replicated) Linears
-        prefix: PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None),
+        prefix: PrepareModuleInput(input_layouts=(residual, None), desired_input_layouts=(Replicate(), None),
                                    use_local_output=True),
         f"{prefix}.{'wq_b' if attn.q_lora_rank else 'wq'}": ColwiseParallel(),
         f"{prefix}.wkv_b": ColwiseParallel(),
@@ -136,13 +137,17 @@ def install_mla_hooks(attn: MultiHeadLatentAttention, tp_mesh) -> None:
         return torch.cat([out[..., :rank], f(out[..., rank:])], dim=-1)
 
     attn.wkv_a.register_forward_hook(hook)
+    # the absorbed (latent-cache) path multiplies by wkv_b's rows of this rank's heads
+    attn.absorbed_kv_weight = lambda: _local(attn.wkv_b.weight)
 
 
-def moe_plan(prefix: str = "feed_forward", shared: bool = False, residual_dtensor: bool = False) -> dict:
+def moe_plan(prefix: str = "feed_forward", shared: bool = False, residual_dtensor: bool = False,
+             sequence_parallel: bool = True) -> dict:
+    residual = Shard(1) if sequence_parallel else Replicate()  # without SP the partial sums are all-reduced
     plan = {
         prefix: PrepareModuleInputOutput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Partial(),), desired_output_layouts=(Shard(1),), use_local_output=not residual_dtensor),
+            input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Partial(),), desired_output_layouts=(residual,), use_local_output=not residual_dtensor),
     }
     if shared:
         plan[f"{prefix}.shared_experts.w1"] = ColwiseParallel()

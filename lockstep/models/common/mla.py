@@ -143,6 +143,11 @@ class MultiHeadLatentAttention(AttentionLayer):
         self.indexer = (config.indexer.build(dim=dim, q_lora_rank=self.q_lora_rank, rope_dim=self.qk_rope_head_dim)
                         if config.indexer is not None else None)
 
+    def absorbed_kv_weight(self) -> torch.Tensor:
+        """``wkv_b``'s weight as the absorbed path multiplies by it: all heads here; a tensor-parallel
+        plan (:mod:`lockstep.parallel.tp_blocks`) replaces this on the instance to give its rank's heads."""
+        return self.wkv_b.weight
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: Any = None) -> torch.Tensor:
         """x [B, T, dim] -> [B, T, dim]; ``cache``: a latent layer cache (``attend_latent``), see the module doc."""
         bsz, seq, _ = x.shape
@@ -212,7 +217,7 @@ class MultiHeadLatentAttention(AttentionLayer):
         this call's own tokens."""
         bsz, _, seq, _ = q_nope.shape
         latent = torch.cat([self.kv_norm(c_kv), k_pe.squeeze(1)], dim=-1)  # [B, T, kv_lora_rank + rope]
-        w = self.wkv_b.weight.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = self.absorbed_kv_weight().view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
         q = torch.cat([numerics.head_matmul(q_nope, w_uk), q_pe], dim=-1)
         if cache is None:

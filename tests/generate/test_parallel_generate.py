@@ -1,0 +1,208 @@
+"""Tensor/expert-parallel generation (lockstep.generate.parallel) over world 2 (gloo) == one process.
+
+Tiny fp32 models (tests/generate/conftest.py ``tiny_model``: weights at std 0.15, logits O(5), so
+greedy argmaxes are far from ties), five requests of mixed prompt lengths with ``max_batch_size=2``
+(continuous batching: requests join as others finish), greedy. Claims:
+
+- TP 2 (llama3, qwen3 with q/k norms, deepseek_v3 MLA + MoE with shared experts and expert TP,
+  qwen3_moe expert TP) and EP 2 (qwen3_moe, deepseek_v3) give the one-process greedy tokens, and
+  log-probabilities within 1e-4 (fp32: the sharded sums and all-reduces round in another order,
+  measured ~1e-6; a wrong head, expert or KV-cache slice moves them by O(1));
+- every rank returns the same results (rank 0's samples are broadcast; a sampled request included);
+- the parameters are DTensors whose gathered values equal the one-process weights (torch.equal),
+  with the placements of the module docstring, and a rank's KV cache holds its KV heads only.
+
+One spawn runs every case (``computed_once``); each one-process reference runs on one of the two
+ranks (alternating), the sharded engines on both. Layout errors and refused engine options are
+checked without processes (they need no group).
+"""
+
+import datetime
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from lockstep.config.base import ConfigError
+from lockstep.generate import Engine, EngineConfig, Request, SamplingParams
+from lockstep.generate.cache import layer_layouts
+from lockstep.generate.parallel import (
+    GroupEngine,
+    check_generation_layout,
+    check_group_engine_config,
+    generator_layout,
+    share_requests,
+    shard_for_generation,
+)
+from lockstep.models.common.transformer import build_meta_model
+from lockstep.models.registry import model_config
+from tests.generate.conftest import prompts, tiny_model
+
+WORLD = 2
+#: (family, layout): the layouts the issue asks for
+CASES = [("llama3", "tp"), ("qwen3", "tp"), ("deepseek_v3", "tp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"),
+         ("deepseek_v3", "ep")]
+ENGINE = dict(cache_memory_mb=2, block_size=4, max_batch_size=2, pack_weights=False)
+LENGTHS = [3, 9, 5, 12, 7]
+NEW_TOKENS = [6, 4, 8, 5, 6]
+LOGPROB_TOL = 1e-4  # fp32 sums in another order (module docstring)
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
+
+
+def _requests() -> list[Request]:
+    reqs = [Request(prompt_ids=p, request_id=str(i),
+                    sampling=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts(LENGTHS, seed=3), NEW_TOKENS))]
+    reqs.append(Request(prompt_ids=prompts([4], seed=4)[0], request_id="sampled",
+                        sampling=SamplingParams(temperature=1.0, max_new_tokens=5, seed=11, ignore_eos=True)))
+    return reqs
+
+
+def _run(engine: Engine, requests: list[Request]) -> dict[str, tuple[list[int], list[float]]]:
+    return {r.request_id: (list(r.token_ids), list(r.logprobs)) for r in engine.generate(requests)}
+
+
+def _layout_facts(family: str, kind: str, model) -> dict:
+    """Placements of a few parameters, gathered DTensors == the one-process weights, cache heads."""
+    layout = generator_layout(model)
+    reference = dict(tiny_model(family).named_parameters())
+    equal = all(torch.equal(p.full_tensor() if isinstance(p, DTensor) else p.detach(), reference[name])
+                for name, p in model.named_parameters())
+    sharded = sorted(name for name, (_, mesh, _) in layout.items() if mesh is not None)
+    placements = {name: layout[name][2] for name in layout
+                  if name.endswith(("attention.wq.weight", "attention.wo.weight", "attention.wkv_b.weight",
+                                    "attention.wkv_a.weight", "experts.w1", "experts.w2", "attention_norm.weight",
+                                    "tok_embeddings.weight"))}
+    heads = {layer: lay.heads for layer, lay in layer_layouts(model).items()}
+    return {"equal": equal, "sharded": sharded, "placements": placements, "heads": heads}
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    results = {}
+    requests = share_requests(_requests() if rank == 0 else None)
+    for i, (family, kind) in enumerate(CASES):
+        if i % world == rank:  # one rank computes each one-process reference
+            results[f"{family}/{kind}/reference"] = _run(Engine(tiny_model(family), None, EngineConfig(**ENGINE)),
+                                                         requests)
+        model = shard_for_generation(tiny_model(family), **{kind: world})
+        results[f"{family}/{kind}"] = _run(GroupEngine(model, None, EngineConfig(**ENGINE)), requests)
+        results[f"{family}/{kind}/layout"] = _layout_facts(family, kind, model)
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def results(computed_once):
+    tmp = computed_once("parallel-generate spawn", lambda d: mp.spawn(
+        _worker, args=(WORLD, str(d / "init"), str(d)), nprocs=WORLD, join=True))
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _reference(results, case: str):
+    return next(r[f"{case}/reference"] for r in results if f"{case}/reference" in r)
+
+
+@pytest.mark.parametrize("family,kind", CASES)
+def test_sharded_greedy_tokens_equal_one_process(results, family, kind):
+    case = f"{family}/{kind}"
+    reference = _reference(results, case)
+    for rank, res in enumerate(results):
+        got = res[case]
+        for rid, (tokens, logprobs) in reference.items():
+            if rid == "sampled":
+                continue
+            assert got[rid][0] == tokens, (case, rank, rid)
+            assert len(tokens) == NEW_TOKENS[int(rid)]
+            assert max(abs(a - b) for a, b in zip(got[rid][1], logprobs)) < LOGPROB_TOL, (case, rank, rid)
+
+
+@pytest.mark.parametrize("family,kind", CASES)
+def test_every_rank_returns_the_same_results(results, family, kind):
+    case = f"{family}/{kind}"
+    assert results[0][case] == results[1][case]  # the sampled request too: rank 0's draws are everyone's
+    assert len(results[0][case]["sampled"][0]) == 5
+
+
+def test_tp_parameters_are_dtensors_holding_the_one_process_weights(results):
+    for res in results:
+        llama = res["llama3/tp/layout"]
+        assert llama["equal"]
+        p = llama["placements"]
+        assert p["layers.0.attention.wq.weight"] == (Shard(0),)
+        assert p["layers.0.attention.wo.weight"] == (Shard(1),)
+        assert p["tok_embeddings.weight"] == (Shard(0),)
+        assert p["layers.0.attention_norm.weight"] == ()  # plain: whole on every rank
+        assert llama["heads"] == {"0": 1, "1": 1}  # 2 KV heads over tp 2: one cached per rank
+        mla = res["deepseek_v3/tp/layout"]
+        assert mla["equal"]
+        assert mla["placements"]["layers.0.attention.wkv_b.weight"] == (Shard(0),)
+        assert mla["placements"]["layers.0.attention.wkv_a.weight"] == ()  # latent projection replicated
+        assert mla["placements"]["layers.1.feed_forward.experts.w1"] == (Shard(1),)  # expert TP: hidden dim
+        assert mla["placements"]["layers.1.feed_forward.experts.w2"] == (Shard(2),)
+        assert set(mla["heads"].values()) == {1}  # the latent cache: one shared "head", replicated
+
+
+def test_ep_parameters_shard_the_experts_only(results):
+    for res in results:
+        for family in ("qwen3_moe", "deepseek_v3"):
+            facts = res[f"{family}/ep/layout"]
+            assert facts["equal"]
+            assert facts["sharded"] and all(".experts.w" in n for n in facts["sharded"]), facts["sharded"]
+            assert facts["placements"][f"layers.1.feed_forward.experts.w1"] == (Shard(0),)
+            assert facts["placements"]["layers.0.attention_norm.weight"] == ()
+        assert res["qwen3_moe/ep/layout"]["heads"] == {"0": 2, "1": 2}  # attention replicated: every KV head
+
+
+# ----------------------------------------------------------------- errors (no processes needed)
+
+
+def _meta(family: str, **changes):
+    import dataclasses
+
+    return build_meta_model(dataclasses.replace(model_config(family, "debug"), **changes))
+
+
+@pytest.mark.parametrize("family,changes,tp,ep,words", [
+    ("llama3", {"n_kv_heads": 1}, 2, 1, ["generator_parallel.tp", "n_kv_heads=1"]),
+    ("llama3", {"n_heads": 3, "n_kv_heads": 1, "head_dim": 16}, 2, 1, ["generator_parallel.tp", "n_heads=3"]),
+    ("llama3", {}, 1, 2, ["generator_parallel.ep", "needs MoE layers"]),
+    ("qwen3_moe", {}, 2, 2, ["generator_parallel", "together"]),
+    ("qwen3_moe", {}, 3, 1, ["generator_parallel", "group's size 2"]),
+    ("qwen3_next", {}, 2, 1, ["generator_parallel.tp", "linear-attention"]),
+])
+def test_layout_errors_name_the_field(family, changes, tp, ep, words):
+    model = _meta(family, **changes)
+    with pytest.raises(ConfigError) as err:
+        check_generation_layout(model, tp, ep, world=2)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_experts_not_divisible_by_ep():
+    from lockstep.models.qwen3_moe.config import qwen3_moe_config
+
+    cfg = qwen3_moe_config("debug", vocab_size=256, dim=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16,
+                           ffn_dim=192, max_seq_len=64, n_experts=3, top_k=2, moe_ffn_dim=32)
+    with pytest.raises(ConfigError, match=r"generator_parallel\.ep: 2 does not divide n_routed_experts=3"):
+        check_generation_layout(build_meta_model(cfg), 1, 2, world=2)
+
+
+@pytest.mark.parametrize("field,value", [("compile_decode", "inductor"), ("weights_dtype", "bfloat16"),
+                                         ("speculative", "mtp")])
+def test_refused_engine_options_name_the_field(field, value):
+    with pytest.raises(ConfigError, match=rf"engine\.{field}:"):
+        check_group_engine_config(EngineConfig(**{field: value}))
+
+
+def test_group_engine_needs_a_sharded_model():
+    with pytest.raises(TypeError, match="shard_for_generation"):
+        GroupEngine(tiny_model("llama3"), None, EngineConfig(**ENGINE))
