@@ -108,15 +108,20 @@ def _hf_generate(hf, request: Request) -> list[int]:
     return out[0, tokens.shape[1]:].tolist()
 
 
+@pytest.fixture(scope="module")
+def hf_tokens(pair) -> list[list[int]]:
+    """transformers' greedy tokens of each of :func:`_requests`, one request at a time."""
+    return [_hf_generate(pair[0], request) for request in _requests()]
+
+
 @pytest.mark.parametrize("prefill_chunk", [0, 8], ids=["one_shot", "chunk8"])
-def test_greedy_tokens_equal_transformers_generate(pair, prefill_chunk):
+def test_greedy_tokens_equal_transformers_generate(pair, hf_tokens, prefill_chunk):
     """Image and text-only requests batched together (continuous batching, one prefill); with 8-token
     chunks the images straddle chunk boundaries. Greedy tokens: equal, token for token."""
-    hf, model = pair
+    _, model = pair
     requests = _requests()
     results = _engine(model, prefill_chunk=prefill_chunk).generate(requests)
-    for request, result in zip(requests, results):
-        expected = _hf_generate(hf, request)
+    for request, result, expected in zip(requests, results, hf_tokens):
         assert result.token_ids == expected, (request.request_id, result.token_ids, expected)
     counts = [[6, 12], [], [20]]  # merged patches: 4x6/4, 4x12/4, 10x8/4
     for result, request, n in zip(results, requests, counts):
