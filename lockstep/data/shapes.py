@@ -17,21 +17,24 @@ SHAPES = ("circle", "square", "triangle")
 WORDS = ("a", *COLOURS, *SHAPES, "<eos>")
 
 
+def shape_mask(shape: str, cy: float, cx: float, radius: float, size: int) -> np.ndarray:
+    """``[size, size]`` bool: the pixels of ``shape`` centred at ``(cy, cx)`` with ``radius``."""
+    y, x = np.mgrid[0:size, 0:size] + 0.5
+    if shape == "circle":
+        return (y - cy) ** 2 + (x - cx) ** 2 <= radius ** 2
+    if shape == "square":
+        return (abs(y - cy) <= radius * 0.85) & (abs(x - cx) <= radius * 0.85)
+    if shape == "triangle":
+        return (y <= cy + radius * 0.8) & (abs(x - cx) <= (y - (cy - radius)) * 0.6)
+    raise ValueError(f"shape {shape!r}: choose from {SHAPES}")
+
+
 def draw_shape(shape: str, colour: tuple[int, int, int], size: int, rng: np.random.Generator) -> np.ndarray:
     """``[size, size, 3]`` uint8: ``shape`` in ``colour`` at a random place and scale."""
     image = np.full((size, size, 3), 128, dtype=np.uint8)
     radius = rng.uniform(0.18, 0.3) * size
     cy, cx = rng.uniform(radius, size - radius, 2)
-    y, x = np.mgrid[0:size, 0:size] + 0.5
-    if shape == "circle":
-        inside = (y - cy) ** 2 + (x - cx) ** 2 <= radius ** 2
-    elif shape == "square":
-        inside = (abs(y - cy) <= radius * 0.85) & (abs(x - cx) <= radius * 0.85)
-    elif shape == "triangle":
-        inside = (y <= cy + radius * 0.8) & (abs(x - cx) <= (y - (cy - radius)) * 0.6)
-    else:
-        raise ValueError(f"shape {shape!r}: choose from {SHAPES}")
-    image[inside] = colour
+    image[shape_mask(shape, cy, cx, radius, size)] = colour
     return image
 
 

@@ -64,6 +64,8 @@ class EpisodeRecord:
     truncated: str | None
     #: the text of the last model turn (for printing samples)
     last_text: str = ""
+    #: the prompt's images ``(pixel_values, grid_thw)`` as the generator preprocessed them (None: text only)
+    images: tuple | None = None
 
     @classmethod
     def from_episode(cls, ep: Episode) -> "EpisodeRecord":
@@ -71,7 +73,7 @@ class EpisodeRecord:
                    prompt_len=ep.prompt_len, token_ids=list(ep.token_ids), loss_mask=list(ep.loss_mask),
                    logprobs=list(ep.logprobs), reward=float(ep.reward), policy_version=ep.policy_version,
                    temperature=ep.temperature, num_turns=ep.num_turns, truncated=ep.truncated,
-                   last_text=ep.turns[-1].text if ep.turns else "")
+                   last_text=ep.turns[-1].text if ep.turns else "", images=ep.images)
 
     @property
     def generated_tokens(self) -> int:
@@ -147,7 +149,8 @@ class Learner:
             recs = [records[i] for i in idx]
             batch = PolicyBatch([r.token_ids for r in recs], [r.prompt_len for r in recs],
                                 [r.temperature for r in recs], mask_all[idx],
-                                pad_rows([gen_logp[i] for i in idx], width), advantages[idx], keep[idx], normaliser)
+                                pad_rows([gen_logp[i] for i in idx], width), advantages[idx], keep[idx], normaliser,
+                                images=[r.images for r in recs] if any(r.images is not None for r in recs) else None)
             report = self.runtime.loss_and_backward(batch, objective=self.objective)
             trainer_logp += report.logprobs
             scalars.add({"loss": report.loss})

@@ -42,6 +42,8 @@ class PolicyBatch:
     advantages: torch.Tensor  # [B]
     keep: torch.Tensor  # [B] bool: groups in the loss
     normaliser: float
+    #: per episode, its prompt's images ``(pixel_values, grid_thw)`` or None (vision-language policies)
+    images: list | None = None
 
     def to(self, device: torch.device) -> "PolicyBatch":
         return dataclasses.replace(self, mask=self.mask.to(device), generator_logp=self.generator_logp.to(device),
@@ -72,7 +74,7 @@ class PolicyObjective:
 
     def _score(self, model: nn.Module, batch: PolicyBatch, full_forward: bool) -> list[torch.Tensor]:
         out = score_logprobs(model, batch.sequences, batch.prompt_lengths, temperature=batch.temperatures,
-                             full_forward=full_forward)
+                             full_forward=full_forward, images=batch.images)
         if hasattr(model, "pop_auxiliary"):
             model.pop_auxiliary()  # MoE balance terms of this forward are not part of the RL loss
         return out

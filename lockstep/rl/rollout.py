@@ -13,7 +13,12 @@ task seed (a GRPO group) and returns them group-major (episode ``b`` is sample `
    ended it, if one did) and either finishes the episode with a reward or replies: the reply text
    alone is tokenised (no special tokens) and appended with ``loss_mask`` 0 and logprob 0.0.
 
-So ``token_ids == prompt ids + out_0 + reply_0 + out_1 + ... + out_last`` exactly. Stop strings are
+So ``token_ids == prompt ids + out_0 + reply_0 + out_1 + ... + out_last`` exactly. A task with
+``images`` (an image question for a vision-language policy) has them preprocessed once with the tower's
+patch and merge sizes (:func:`lockstep.data.image_mix.processor_for`); each image's placeholder run
+(``vision_start, image_token * n, vision_end``) goes before the prompt text (after the bos token), every
+request of the episode carries the preprocessed images, and the episode keeps them (``Episode.images``)
+for the trainer's scoring. Stop strings are
 the sampling's ``stop`` plus the task's (e.g. ``</calc>``). Sampling is deterministic: the request
 of (task seed, sample, turn) is seeded from ``RolloutConfig.seed`` and those three numbers only, so
 a rollout does not depend on the batch it is in. An episode that reaches ``max_turns`` without
@@ -86,6 +91,8 @@ class Episode:
     policy_version: int = 0
     #: sampling temperature (the T of the logprobs; 1 for greedy)
     temperature: float = 1.0
+    #: the prompt's images, preprocessed: ``(pixel_values [P, D], grid_thw [N, 3])`` (None: text only)
+    images: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_turns(self) -> int:
@@ -152,6 +159,14 @@ def encode_text(tokenizer: Any, text: str) -> list[int]:
     except TypeError:  # an encode without that option
         out = tokenizer.encode(text)
     return [int(i) for i in getattr(out, "ids", out)]
+
+
+def pixel_images(pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> list:
+    """Preprocessed images as the engine's ``Request.images`` (one ``PixelImage`` per image)."""
+    from lockstep.generate.vision import PixelImage
+
+    sizes = grid_thw.prod(dim=1).tolist()
+    return [PixelImage(p, tuple(int(x) for x in g)) for p, g in zip(pixel_values.split(sizes), grid_thw.tolist())]
 
 
 def plain_prompt(messages: Sequence[Mapping[str, str]]) -> str:
@@ -222,6 +237,11 @@ class Rollout:
         if not isinstance(task, Task):
             raise TypeError(f"{environment_name(env)}.reset({seed}) returned {type(task).__name__}, not a Task")
         ids = prompt_ids(task, self.tokenizer, self.chat_template, self.config.add_bos)
+        images = None
+        if task.images:
+            images, block = self._images(task)
+            at = 1 if self.config.add_bos else 0
+            ids = ids[:at] + block + ids[at:]
         if not ids or len(ids) > self.limit:
             raise ConfigError(f"rollout: the prompt of task {task.task_id or seed!r} has {len(ids)} tokens; it must "
                               f"have 1 to {self.limit} (the model's context / the KV cache)")
@@ -229,14 +249,34 @@ class Rollout:
         return Episode(task=task, env_name=environment_name(env), group=group, sample=sample, task_seed=seed,
                        prompt_len=len(ids), token_ids=list(ids), loss_mask=[0] * len(ids),
                        logprobs=[0.0] * len(ids), policy_version=version,
-                       temperature=sp.temperature if sp.temperature > 0 else 1.0)
+                       temperature=sp.temperature if sp.temperature > 0 else 1.0, images=images)
+
+    def _images(self, task: Task) -> tuple[tuple[torch.Tensor, torch.Tensor], list[int]]:
+        """The task's images preprocessed for the engine's model, and their placeholder runs."""
+        from lockstep.data.image_mix import processor_for
+        from lockstep.data.image_samples import VisionTokens, expand_markers
+        from lockstep.data.images import preprocess_images
+
+        config = self.engine.model.config
+        if getattr(config, "vision", None) is None or not hasattr(config, "image_token_id"):
+            raise ConfigError(f"rollout: task {task.task_id!r} has images but the policy ({config.family}) has no "
+                              "vision tower")
+        if self.chat_template is not None:
+            raise ConfigError(f"rollout: task {task.task_id!r} has images: image placeholders are placed before a "
+                              "plain prompt only, not inside a chat template's messages")
+        processor = processor_for(config)
+        processed = preprocess_images(task.images, processor)
+        ids = VisionTokens.of(config)
+        block = expand_markers([ids.marker] * len(task.images), processed.tokens_per_image(processor.merge_size), ids)
+        return (torch.from_numpy(processed.pixel_values), torch.from_numpy(processed.grid_thw)), block
 
     def _request(self, ep: Episode, turn: int) -> Request:
         sp = self.config.sampling
         stop = list(dict.fromkeys([*sp.stop, *ep.task.stop]))
         sampling = dataclasses.replace(sp, stop=stop, stop_token_ids=list(sp.stop_token_ids),
                                        seed=request_seed(self.config.seed, ep.task_seed, ep.sample, turn))
-        return Request(prompt_ids=list(ep.token_ids), sampling=sampling, request_id=ep.task.task_id or None)
+        images = {} if ep.images is None else {"images": pixel_images(*ep.images)}
+        return Request(prompt_ids=list(ep.token_ids), sampling=sampling, request_id=ep.task.task_id or None, **images)
 
     def _turn_text(self, result: GenerationResult, stop: Sequence[str]) -> str:
         """The engine's text, plus the stop string that ended the turn (the engine cuts it off)."""

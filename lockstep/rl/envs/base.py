@@ -48,6 +48,9 @@ class Task:
     state: dict[str, Any] = dataclasses.field(default_factory=dict)
     #: a label for logs: environment name and seed
     task_id: str = ""
+    #: images the prompt shows, in order (uint8 ``[H, W, 3]`` arrays or PIL images; a vision-language
+    #: policy's rollout places each one's placeholders before the prompt text)
+    images: list[Any] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
