@@ -128,13 +128,19 @@ TESTED_LAYOUTS += [
     ("dp_shard=2 x tp=2 qwen3_5", "debug-qwen35", 4, {"dp_shard": 2, "tp": 2}, []),
     # Gated DeltaNet (grouped projections) under tp, experts split over ep and their hidden dim over tp
     ("tp=2 x ep=2 qwen3_next", "debug-qwen3next", 4, {"dp_shard": 2, "ep": 2, "tp": 2}, []),
+    # DeepSeek-V3.2: the sparse indexer and its KL warm-up loss (an aux loss, compared like the others)
+    ("dp_shard=2 deepseek_v32 (indexer KL loss)", "debug-deepseek-v32", 2, {"dp_shard": 2}, []),
+    # DeepSeek-V4: hyper-connections, compressed attention, hash-routed MoE
+    ("dp_shard=2 deepseek_v4 (hyper-connections, compressed attention)", "debug-deepseek-v4", 2, {"dp_shard": 2}, []),
 ]
 PARAMS_CHECKED |= {"dp_shard=2 qwen3_5", "dp_shard=2 qwen3_next", "dp_shard=2 gpt_oss", "ep=2 x dp_shard=2 qwen3_5 moe",
                    "ep=2 x dp_shard=2 gpt_oss", "dp_replicate=2 x dp_shard=2 qwen3_5 (HSDP)",
                    "tp=2 qwen3_5 (Gated DeltaNet, gated attention)",
                    "tp=2 qwen3_next (grouped projections, expert TP, shared gate)",
                    "tp=2 gpt_oss (sinks, biases, biased experts)", "tp=2 x ep=2 gpt_oss",
-                   "dp_shard=2 x tp=2 qwen3_5", "tp=2 x ep=2 qwen3_next"}
+                   "dp_shard=2 x tp=2 qwen3_5", "tp=2 x ep=2 qwen3_next",
+                   "dp_shard=2 deepseek_v32 (indexer KL loss)",
+                   "dp_shard=2 deepseek_v4 (hyper-connections, compressed attention)"}
 
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")
 
