@@ -142,14 +142,16 @@ def test_gradients_match_transformers(case, tmp_path):
 
 
 def test_multimodal_checkpoint_text_part(tmp_path):
-    """A Qwen3.5-MoE image-text checkpoint: text_config + model.language_model.* weights; the vision
-    tower is skipped; logits equal the HF model's on text; saving keeps the multimodal layout."""
+    """A Qwen3.5-MoE image-text checkpoint: text_config + model.language_model.* weights (the vision tower
+    loads too: tests/models/qwen3_5 checks it); logits equal the HF model's on text; saving keeps the
+    multimodal layout."""
     text = {**BASE, **MOE, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                                 "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
                                                 "mrope_interleaved": True}}
     vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=48,
                   patch_size=4, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)
-    cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
+    cfg = transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, image_token_id=250, video_token_id=251,
+                                        vision_start_token_id=252, vision_end_token_id=253)
     torch.manual_seed(0)
     hf = transformers.Qwen3_5MoeForConditionalGeneration(cfg).float().eval()
     randomize_(hf)

@@ -7,6 +7,11 @@ width for ``j % 3 == 2, j < 3 * sections[2]``, time otherwise (transformers'
 axes, so for text-only inputs mRoPE *is* plain RoPE: ``[B, T]`` positions take the parent's table
 lookup unchanged (bitwise the same tables, the same angles).
 
+:class:`PartialMRopeConfig` is the same over the first ``rotary_dim`` dims of each head only
+(Qwen3.5's gated attention: ``partial_rotary_factor`` 0.25, sections summing to ``rotary_dim / 2``);
+the attention rotates those dims and passes the rest through
+(:func:`lockstep.models.common.gated_attention.apply_partial_rotary`).
+
 :func:`mrope_positions` computes the three axes for token sequences holding image placeholders
 (transformers' ``get_rope_index``): text continues one step per token; an image of merged grid
 ``(t, h, w)`` starting at position ``s`` gets ``(s + t_i, s + h_i, s + w_i)`` and the text after it
@@ -20,6 +25,7 @@ import dataclasses
 import torch
 
 from lockstep.config.base import ConfigError, require
+from lockstep.models.common.gated_attention import PartialRopeConfig
 from lockstep.models.common.rope import RopeConfig, RotaryEmbedding
 
 
@@ -37,6 +43,19 @@ class MRopeConfig(RopeConfig):
 
     def build(self, *, head_dim: int, max_seq_len: int) -> "MultimodalRotaryEmbedding":
         return MultimodalRotaryEmbedding(self, head_dim, max_seq_len)
+
+
+@dataclasses.dataclass(kw_only=True)
+class PartialMRopeConfig(MRopeConfig, PartialRopeConfig):
+    """Interleaved mRoPE over the first ``rotary_dim(head_dim)`` dims of each head (Qwen3.5); the
+    sections sum to ``rotary_dim / 2``. A :class:`PartialRopeConfig`, so text-only code paths that
+    take partial RoPE take this unchanged."""
+
+    def build(self, *, head_dim: int, max_seq_len: int) -> "MultimodalRotaryEmbedding":
+        dim = self.rotary_dim(head_dim)
+        require(dim >= 2 and dim % 2 == 0, "model.rope.partial_rotary_factor",
+                f"rotates {dim} of head_dim={head_dim} dims; needs an even number >= 2")
+        return MultimodalRotaryEmbedding(self, dim, max_seq_len)
 
 
 def axis_of_frequencies(sections: list[int], n_freq: int) -> list[int]:

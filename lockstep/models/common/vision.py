@@ -1,4 +1,4 @@
-"""The Qwen3-VL vision tower, and the visual inputs a decoder takes from it.
+"""The Qwen3-VL / Qwen3.5 vision tower, and the visual inputs a decoder takes from it.
 
 ``VisionTower(pixel_values [P, C*tp*p*p], grid_thw [N, 3]) -> VisionFeatures``:
 
@@ -12,6 +12,9 @@
    decoder width), and one DeepStack merger per layer in ``deepstack_layers`` (the same merge on that
    block's output, LayerNorm after the concatenation).
 
+Qwen3.5's tower is this one without DeepStack (``deepstack_layers=[]``: no DeepStack mergers, nothing
+added to the decoder after its blocks).
+
 Patches arrive in merge-block order (each 2x2 block's four patches adjacent), as the processor
 (:mod:`lockstep.data.images`) writes them, so the merge is a reshape.
 
@@ -23,12 +26,14 @@ is added to the hidden states at the visual positions after decoder block ``i``.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lockstep.config.base import Config, require, require_positive
+from lockstep.models.common.mrope import MRopeConfig
 from lockstep.models.common.rope import rotate_half
 from lockstep.ops.attention import AttentionLayer
 
@@ -245,6 +250,19 @@ class VisionTower(nn.Module):
             if i in cfg.deepstack_layers:
                 deepstack.append(self.deepstack_merger_list[cfg.deepstack_layers.index(i)](x))
         return VisionFeatures(self.merger(x), deepstack)
+
+
+def check_vision_language(config: Any, path: str = "model") -> None:
+    """What every vision-language decoder config needs (ConfigError naming the field): an mRoPE
+    ``rope``, no more DeepStack features than decoder blocks, special tokens inside the vocabulary."""
+    require(isinstance(config.rope, MRopeConfig), f"{path}.rope",
+            f"{config.family} needs an MRopeConfig (mRoPE sections), got {type(config.rope).__name__}")
+    require(len(config.vision.deepstack_layers) <= config.n_layers, f"{path}.vision.deepstack_layers",
+            f"{len(config.vision.deepstack_layers)} DeepStack features but only {config.n_layers} decoder blocks")
+    for name in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+        value = getattr(config, name)
+        require(0 <= value < config.vocab_size, f"{path}.{name}", f"{value} is outside the vocabulary "
+                f"[0, {config.vocab_size})")
 
 
 class VisualInputs:

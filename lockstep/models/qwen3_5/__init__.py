@@ -1,13 +1,20 @@
-"""Qwen3.5 family (text model): the Qwen3-Next hybrid with split ``in_proj_qkv/z/b/a`` projections,
-dense (SwiGLU) or MoE (softmax top-k + gated shared expert) flavors. Text positions only: the mRoPE
-sections of the multimodal model reduce to plain partial RoPE for text (see
-:mod:`lockstep.models.common.gated_attention`). Config and HF adapter are shared with ``qwen3_next``.
+"""Qwen3.5 family: the Qwen3-Next hybrid with split ``in_proj_qkv/z/b/a`` projections, dense (SwiGLU)
+or MoE (softmax top-k + gated shared expert) flavors.
+
+Text flavors ("<size>", "<size>-moe") are the text model (plain partial RoPE: for text the mRoPE
+sections reduce to it; config and HF adapter shared with ``qwen3_next``). Image-text flavors
+("<size>-vl", "<size>-moe-vl"; :mod:`.config`) add the vision tower (Qwen3-VL's, no DeepStack) and
+interleaved mRoPE in the full-attention blocks; :mod:`.hf` reads and writes the full multimodal
+``qwen3_5`` / ``qwen3_5_moe`` checkpoints (vision weights included).
 """
 
 from __future__ import annotations
 
+from lockstep.models.common.mrope import PartialMRopeConfig
+from lockstep.models.common.vision import VisionConfig
+from lockstep.models.qwen3_5.config import QWEN35_TOKENS, Qwen3_5VLConfig, qwen3_5_vl_config, with_vision
+from lockstep.models.qwen3_5.hf import ADAPTER
 from lockstep.models.qwen3_next.config import Qwen3NextTransformerConfig, hybrid_config
-from lockstep.models.qwen3_next.hf import HybridHFAdapter
 from lockstep.models.registry import ModelSpec, register_model
 
 _SMALL = dict(vocab_size=4096, tie_embeddings=True)
@@ -40,11 +47,42 @@ FLAVORS.update({
                           linear_head_dims=(128, 128), n_experts=256, top_k=8, moe_ffn_dim=512, shared_ffn_dim=512),
 })
 
+# Image-text flavors. debug: head_dim 32 so that the 8 rotated dims carry all three mRoPE axes.
+_TEST_TOKENS = dict(image_token_id=4093, video_token_id=4094, vision_start_token_id=4091, vision_end_token_id=4092)
+_VL = {"debug": (lambda: VisionConfig(depth=2, dim=32, ffn_dim=64, n_heads=2, patch_size=8, num_position_embeddings=64,
+                                      deepstack_layers=[]), dict(head_dim=32), [2, 1, 1]),
+       "tiny": (lambda: VisionConfig(depth=4, dim=128, ffn_dim=256, n_heads=4, patch_size=16,
+                                     num_position_embeddings=256, deepstack_layers=[]), {}, [3, 3, 2])}
+
+
+def _vl(size: str, moe: bool) -> Qwen3_5VLConfig:
+    vision, text, sections = _VL[size]
+    sizes = {**_SMALL, **_SIZES[size], **text, **(_MOE[size] if moe else {})}
+    return qwen3_5_vl_config(f"{size}-moe-vl" if moe else f"{size}-vl", vision=vision(), mrope_section=sections,
+                             tokens=_TEST_TOKENS, **sizes)
+
+
+for _name in _VL:
+    FLAVORS[f"{_name}-vl"] = (lambda n: lambda: _vl(n, False))(_name)
+    FLAVORS[f"{_name}-moe-vl"] = (lambda n: lambda: _vl(n, True))(_name)
+# the real models' tower (transformers' Qwen3_5VisionConfig defaults: 27 blocks of 1152, 2304 positions)
+_REAL_VISION = dict(depth=27, dim=1152, ffn_dim=4304, n_heads=16, deepstack_layers=[])
+for _name in ("9B", "35B-A3B"):
+    FLAVORS[f"{_name}-vl"] = (lambda n: lambda: _with_real_vision(FLAVORS[n](), f"{n}-vl"))(_name)
+
+
+def _with_real_vision(text: Qwen3NextTransformerConfig, flavor: str) -> Qwen3_5VLConfig:
+    rope = PartialMRopeConfig(theta=text.rope.theta, partial_rotary_factor=text.rope.partial_rotary_factor,
+                              mrope_section=[11, 11, 10])
+    return with_vision(text, flavor=flavor, vision=VisionConfig(**_REAL_VISION), rope=rope, **QWEN35_TOKENS)
+
+
 SPEC = register_model(
     ModelSpec(name="qwen3_5", flavors=FLAVORS,
               hf_model_types=("qwen3_5_text", "qwen3_5_moe_text", "qwen3_5", "qwen3_5_moe"),
-              hf_adapter=HybridHFAdapter("qwen3_5"),
-              description="Qwen3.5 text model (Gated DeltaNet + gated attention 3:1; dense or MoE)")
+              hf_adapter=ADAPTER,
+              description="Qwen3.5 (Gated DeltaNet + gated attention 3:1; dense or MoE; text, or with the "
+                          "vision tower and mRoPE: the -vl flavors)")
 )
 
-__all__ = ["FLAVORS", "SPEC"]
+__all__ = ["FLAVORS", "SPEC", "Qwen3_5VLConfig"]

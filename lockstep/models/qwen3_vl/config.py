@@ -10,13 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from lockstep.config.base import require
 from lockstep.models.common.attention import AttentionConfig
 from lockstep.models.common.mlp import FeedForwardConfig, SwiGLUConfig
 from lockstep.models.common.moe import MoEConfig
 from lockstep.models.common.mrope import MRopeConfig
 from lockstep.models.common.rope import RopeConfig
-from lockstep.models.common.vision import VisionConfig
+from lockstep.models.common.vision import VisionConfig, check_vision_language
 from lockstep.models.qwen3_moe.config import Qwen3MoETransformerConfig
 
 if TYPE_CHECKING:
@@ -41,13 +40,7 @@ class Qwen3VLConfig(Qwen3MoETransformerConfig):
     vision_end_token_id: int = 151653
 
     def validate(self, path: str = "model") -> None:
-        require(isinstance(self.rope, MRopeConfig), f"{path}.rope", "Qwen3-VL needs an MRopeConfig (mRoPE sections)")
-        require(len(self.vision.deepstack_layers) <= self.n_layers, f"{path}.vision.deepstack_layers",
-                f"{len(self.vision.deepstack_layers)} DeepStack features but only {self.n_layers} decoder blocks")
-        for name in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
-            value = getattr(self, name)
-            require(0 <= value < self.vocab_size, f"{path}.{name}", f"{value} is outside the vocabulary "
-                    f"[0, {self.vocab_size})")
+        check_vision_language(self, path)
         super().validate(path)
 
     def build(self) -> "Qwen3VLModel":

@@ -33,7 +33,8 @@ def _unsupported(field: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"config.json {field}={value!r} is not supported by lockstep: {why}")
 
 
-def _vision_from_hf(v: dict[str, Any]) -> VisionConfig:
+def vision_from_hf(v: dict[str, Any], deepstack: bool = True) -> VisionConfig:
+    """The tower of a ``vision_config`` (Qwen3-VL, or Qwen3.5 with ``deepstack=False``: no DeepStack)."""
     act = v.get("hidden_act", "gelu_pytorch_tanh")
     if act != "gelu_pytorch_tanh":
         raise _unsupported("vision_config.hidden_act", act, "the vision MLP is GELU (tanh approximation)")
@@ -46,8 +47,55 @@ def _vision_from_hf(v: dict[str, Any]) -> VisionConfig:
                         patch_size=v.get("patch_size", 16), temporal_patch_size=v.get("temporal_patch_size", 2),
                         spatial_merge_size=v.get("spatial_merge_size", 2),
                         num_position_embeddings=v.get("num_position_embeddings", 2304),
-                        deepstack_layers=list(v.get("deepstack_visual_indexes", [8, 16, 24])),
+                        deepstack_layers=list(v.get("deepstack_visual_indexes", [8, 16, 24])) if deepstack else [],
                         rope_theta=float(rope.get("rope_theta", 10000.0)))
+
+
+def vision_to_hf(v: VisionConfig, *, model_type: str, out_dim: int, init_std: float, deepstack: bool = True
+                 ) -> dict[str, Any]:
+    """``vision_config`` of a tower (``deepstack=False``: Qwen3.5's, without ``deepstack_visual_indexes``)."""
+    vision = {
+        "model_type": model_type, "depth": v.depth, "hidden_size": v.dim,
+        "intermediate_size": v.ffn_dim, "num_heads": v.n_heads, "in_channels": v.in_channels,
+        "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
+        "spatial_merge_size": v.spatial_merge_size, "out_hidden_size": out_dim,
+        "num_position_embeddings": v.num_position_embeddings,
+        "hidden_act": "gelu_pytorch_tanh", "initializer_range": init_std,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": float(v.rope_theta)},
+    }
+    if deepstack:
+        vision["deepstack_visual_indexes"] = list(v.deepstack_layers)
+    elif v.deepstack_layers:
+        raise ConfigError(f"model.vision.deepstack_layers: {model_type} has no DeepStack, got {v.deepstack_layers}")
+    return vision
+
+
+def split_vision_state(hf_state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the tower's tensors under lockstep names, every other tensor as it was): ``model.visual.X`` ->
+    ``visual.X``, the patch embedding's Conv3d weight flattened to ``[dim, C*tp*p*p]``."""
+    vision, rest = {}, {}
+    for name, tensor in hf_state.items():
+        if name.startswith(_VISION_HF):
+            short = name[len(_VISION_HF):]
+            vision[_VISION_LS + short] = tensor.flatten(1) if short == _PATCH else tensor
+        else:
+            rest[name] = tensor
+    return vision, rest
+
+
+def vision_state_to_hf(state: dict[str, torch.Tensor], v: VisionConfig
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the tower's tensors under HF names, every other lockstep tensor): the inverse of :func:`split_vision_state`."""
+    vision, rest = {}, {}
+    for name, tensor in state.items():
+        if not name.startswith(_VISION_LS):
+            rest[name] = tensor
+            continue
+        short = name[len(_VISION_LS):]
+        if short == _PATCH:
+            tensor = tensor.view(v.dim, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+        vision[_VISION_HF + short] = tensor
+    return vision, rest
 
 
 class Qwen3VLAdapter:
@@ -82,7 +130,7 @@ class Qwen3VLAdapter:
                        top_k=text.get("num_experts_per_tok", 4), moe_ffn_dim=text.get("moe_intermediate_size", 1408))
         n_heads = text["num_attention_heads"]
         config = qwen3_vl_config(
-            "hf", vision=_vision_from_hf(vision), mrope_section=list(rope.get("mrope_section", [24, 20, 20])),
+            "hf", vision=vision_from_hf(vision), mrope_section=list(rope.get("mrope_section", [24, 20, 20])),
             rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 500000.0))), **moe,
             vocab_size=text["vocab_size"], dim=text["hidden_size"], n_layers=text["num_hidden_layers"], n_heads=n_heads,
             n_kv_heads=text.get("num_key_value_heads") or n_heads,
@@ -116,16 +164,8 @@ class Qwen3VLAdapter:
             text.update(num_experts=moe.n_routed_experts, num_experts_per_tok=moe.n_activated,
                         moe_intermediate_size=moe.moe_ffn_dim, decoder_sparse_step=config.decoder_sparse_step,
                         mlp_only_layers=list(config.mlp_only_layers))
-        v = config.vision
-        vision = {
-            "model_type": f"qwen3_vl{suffix}_vision", "depth": v.depth, "hidden_size": v.dim,
-            "intermediate_size": v.ffn_dim, "num_heads": v.n_heads, "in_channels": v.in_channels,
-            "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
-            "spatial_merge_size": v.spatial_merge_size, "out_hidden_size": config.dim,
-            "num_position_embeddings": v.num_position_embeddings, "deepstack_visual_indexes": list(v.deepstack_layers),
-            "hidden_act": "gelu_pytorch_tanh", "initializer_range": config.init_std,
-            "rope_parameters": {"rope_type": "axial", "rope_theta": float(v.rope_theta)},
-        }
+        vision = vision_to_hf(config.vision, model_type=f"qwen3_vl{suffix}_vision", out_dim=config.dim,
+                              init_std=config.init_std)
         arch = "Qwen3VLMoeForConditionalGeneration" if moe else "Qwen3VLForConditionalGeneration"
         return {"architectures": [arch], "model_type": f"qwen3_vl{suffix}", "text_config": text,
                 "vision_config": vision, "tie_word_embeddings": config.tie_embeddings,
@@ -153,16 +193,10 @@ class Qwen3VLAdapter:
     # ---- state dict ---------------------------------------------------------------------------
 
     def state_from_hf(self, hf_state: dict[str, torch.Tensor], config: Qwen3VLConfig) -> dict[str, torch.Tensor]:
+        out, rest = split_vision_state(hf_state)
         text: dict[str, torch.Tensor] = {}
-        out: dict[str, torch.Tensor] = {}
-        for name, tensor in hf_state.items():
-            if name.startswith(_VISION_HF):
-                short = name[len(_VISION_HF):]
-                out[_VISION_LS + short] = tensor.flatten(1) if short == _PATCH else tensor
-            elif name.startswith(_TEXT_HF):
-                text[_TEXT_FLAT + name[len(_TEXT_HF):]] = tensor
-            else:
-                text[name] = tensor
+        for name, tensor in rest.items():
+            text[_TEXT_FLAT + name[len(_TEXT_HF):] if name.startswith(_TEXT_HF) else name] = tensor
         for i, moe in _moe_layers(config).items():  # hub files: experts transposed (transformers reads both)
             key = f"model.layers.{i}.mlp.experts."
             gate_up, down = text.get(key + "gate_up_proj"), text.get(key + "down_proj")
@@ -174,15 +208,7 @@ class Qwen3VLAdapter:
         return out
 
     def state_to_hf(self, state: dict[str, torch.Tensor], config: Qwen3VLConfig) -> dict[str, torch.Tensor]:
-        text = {k: v for k, v in state.items() if not k.startswith(_VISION_LS)}
-        out: dict[str, torch.Tensor] = {}
-        for name, tensor in state.items():
-            if name.startswith(_VISION_LS):
-                short = name[len(_VISION_LS):]
-                if short == _PATCH:
-                    v = config.vision
-                    tensor = tensor.view(v.dim, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
-                out[_VISION_HF + short] = tensor
+        out, text = vision_state_to_hf(state, config.vision)
         for name, tensor in _TEXT.state_to_hf(text, config, fused_experts=True).items():
             out[_TEXT_HF + name[len(_TEXT_FLAT):] if name.startswith(_TEXT_FLAT) else name] = tensor
         return out

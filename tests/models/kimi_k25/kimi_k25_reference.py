@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from image_text_helpers import image_inputs as shared_image_inputs
 from transformers import Kimi_K25Config, Kimi_K25ForConditionalGeneration
 
 VOCAB = 256
@@ -51,26 +52,6 @@ def hf_kimi_k25(seed: int = 0, tie: bool = False) -> Kimi_K25ForConditionalGener
 
 def image_inputs(grids: list[tuple[int, int, int]], rows: list[list[int]], seed: int = 0, length: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [B, T], pixel_values [P, 3, PATCH, PATCH], grid_thw [N, 3]): row ``b`` holds random text with
-    the images ``rows[b]`` (indices into ``grids``, in order) as START, placeholders, END; rows are padded
-    with text to one length."""
-    gen = torch.Generator().manual_seed(seed)
-    grid_thw = torch.tensor(grids, dtype=torch.long)
-    pixels = torch.randn(int(grid_thw.prod(-1).sum()), 3, PATCH, PATCH, generator=gen)
-
-    def text(n: int) -> list[int]:
-        return torch.randint(0, START - 10, (n,), generator=gen).tolist()
-
-    seqs = []
-    for images in rows:
-        seq = text(3)
-        for i in images:
-            t, h, w = grids[i]
-            seq += [START] + [IMAGE] * (t * h * w // MERGE ** 2) + [END] + text(2)
-        seqs.append(seq)
-    width = length or max(len(s) for s in seqs) + 2
-    tokens = torch.tensor([s + text(width - len(s)) for s in seqs])
-    order = [i for images in rows for i in images]  # the tower sees images in token order
-    starts = torch.cat([torch.zeros(1, dtype=torch.long), grid_thw.prod(-1).cumsum(0)])
-    pixels = torch.cat([pixels[starts[i]:starts[i + 1]] for i in order]) if order else pixels[:0]
-    return tokens, pixels, grid_thw[order] if order else grid_thw[:0]
+    """(tokens, pixel_values [P, 3, PATCH, PATCH], grid_thw) of this model's tokens: :func:`image_text_helpers.image_inputs`."""
+    return shared_image_inputs(grids, rows, pixel_shape=(3, PATCH, PATCH), image=IMAGE, start=START, end=END, merge=MERGE,
+                               seed=seed, length=length)

@@ -1,0 +1,49 @@
+"""Test helpers shared by the vision-language parity tests (qwen3_vl, qwen3_5, kimi_k25): random
+image+token inputs and the per-tensor gradient comparison (a helper module, no tests)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def image_inputs(grids: list[tuple[int, int, int]], rows: list[list[int]], *, pixel_shape: tuple[int, ...],
+                 image: int, start: int, end: int, merge: int, seed: int = 0, length: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [B, T], pixel_values [P, *pixel_shape], grid_thw [N, 3]): row ``b`` holds random text with
+    the images ``rows[b]`` (indices into ``grids``, in order) as ``start``, ``t*h*w/merge**2`` ``image``
+    placeholders, ``end``; rows are padded with text (ids below ``start - 10``) to one length."""
+    gen = torch.Generator().manual_seed(seed)
+    grid_thw = torch.tensor(grids, dtype=torch.long)
+    pixels = torch.randn(int(grid_thw.prod(-1).sum()), *pixel_shape, generator=gen)
+
+    def text(n: int) -> list[int]:
+        return torch.randint(0, start - 10, (n,), generator=gen).tolist()
+
+    seqs = []
+    for images in rows:
+        seq = text(3)
+        for i in images:
+            t, h, w = grids[i]
+            seq += [start] + [image] * (t * h * w // merge ** 2) + [end] + text(2)
+        seqs.append(seq)
+    width = length or max(len(s) for s in seqs) + 2
+    tokens = torch.tensor([s + text(width - len(s)) for s in seqs])
+    order = [i for images in rows for i in images]  # the tower sees images in token order
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), grid_thw.prod(-1).cumsum(0)])
+    pixels = torch.cat([pixels[starts[i]:starts[i + 1]] for i in order]) if order else pixels[:0]
+    return tokens, pixels, grid_thw[order] if order else grid_thw[:0]
+
+
+def assert_grads_close(grads: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], rtol: float) -> float:
+    """Every gradient within ``rtol`` of the reference's, relative to the reference tensor's largest
+    entry; an all-zero reference (an expert no token chose) must be all zero here too. The worst ratio."""
+    worst = 0.0
+    for name, ref_grad in reference.items():
+        scale = ref_grad.abs().max().item()
+        if scale == 0.0:
+            assert grads[name].abs().max().item() == 0.0, name
+            continue
+        rel = (grads[name] - ref_grad).abs().max().item() / scale
+        worst = max(worst, rel)
+        assert rel <= rtol, (name, rel)
+    return worst
