@@ -31,6 +31,8 @@ from lockstep.train.optim import AdamWConfig, LRScheduleConfig
 GENERATOR_ENGINES = ["lockstep", "vllm"]
 #: what the loss's importance ratio divides by (see RLTrainingConfig.ratio_to)
 RATIO_TO = ["generator", "current"]
+#: ``workers.weight_sync`` choices (see WorkersConfig.weight_sync)
+WEIGHT_SYNCS = ["auto", "reshard", "gather"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -96,6 +98,29 @@ class TaskConfig(Config):
 
 
 @dataclasses.dataclass(kw_only=True)
+class GeneratorParallelConfig(Config):
+    """The layout of each generator: a group of ``tp x ep`` processes running the engine together
+    (``lockstep.generate.parallel``: tensor-parallel, or expert-parallel for MoE; one of the two)."""
+
+    #: tensor-parallel degree of each generator (attention heads, FFN hidden dim, vocabulary split)
+    tp: int = 1
+    #: expert-parallel degree of each generator (MoE models: each process holds n_experts/ep experts)
+    ep: int = 1
+
+    @property
+    def size(self) -> int:
+        """Processes of one generator group."""
+        return self.tp * self.ep
+
+    def validate(self, path: str = "workers.generator_parallel") -> None:
+        for name in ("tp", "ep"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 1, f"{path}.{name}", f"must be an integer >= 1, got {value!r}")
+        require(self.tp == 1 or self.ep == 1, path,
+                f"tp={self.tp} and ep={self.ep} together are not supported for generation; use one of them")
+
+
+@dataclasses.dataclass(kw_only=True)
 class WorkersConfig(Config):
     """Which processes generate, and how far behind the trainer their policy may be."""
 
@@ -111,6 +136,20 @@ class WorkersConfig(Config):
     #: what the generator processes generate with: "lockstep" (lockstep.generate.Engine) or "vllm"
     #: (lockstep.vllm.VllmEngine: vLLM running lockstep's modules; each weights version is loaded into it in place)
     engine: str = "lockstep"
+    #: each generator's own layout: a group of tp x ep processes (rank 0 of the group talks to the trainer)
+    generator_parallel: GeneratorParallelConfig = dataclasses.field(default_factory=GeneratorParallelConfig)
+    #: how a weights version reaches the generators: "reshard" (every trainer rank sends each generator rank
+    #: the slices it holds, point to point: nobody gathers the model), "gather" (trainer rank 0 gathers the
+    #: whole model and broadcasts one flat buffer to each one-process generator) or "auto" ("gather" when
+    #: the trainer is one process and generators are one process each -- the same bytes, one broadcast --
+    #: else "reshard")
+    weight_sync: str = "auto"
+
+    def resolved_weight_sync(self, trainer_world: int) -> str:
+        """"reshard" or "gather" (``weight_sync`` with "auto" decided)."""
+        if self.weight_sync != "auto":
+            return self.weight_sync
+        return "gather" if trainer_world == 1 and self.generator_parallel.size == 1 else "reshard"
 
     def validate(self, path: str = "workers") -> None:
         require(self.generators >= 0, f"{path}.generators", f"must be >= 0, got {self.generators}")
@@ -124,6 +163,16 @@ class WorkersConfig(Config):
         require(self.engine == "lockstep" or self.generators >= 1, f"{path}.engine",
                 f"{self.engine!r} runs in generator processes (workers.generators >= 1); colocated generation uses "
                 f"lockstep's engine")
+        self.generator_parallel.validate(f"{path}.generator_parallel")
+        size = self.generator_parallel.size
+        require(size == 1 or self.generators >= 1, f"{path}.generator_parallel",
+                f"a generator group of {size} processes needs generator processes (workers.generators >= 1)")
+        require(size == 1 or self.engine == "lockstep", f"{path}.engine",
+                f"generator groups (generator_parallel tp x ep = {size}) run lockstep's engine, not {self.engine!r}")
+        require_choice(self.weight_sync, WEIGHT_SYNCS, f"{path}.weight_sync")
+        require(size == 1 or self.weight_sync != "gather", f"{path}.weight_sync",
+                f"'gather' broadcasts the whole model to one-process generators; a generator group of {size} "
+                f"processes takes its slices with 'reshard' (or 'auto')")
 
 
 
@@ -286,8 +335,8 @@ class RLConfig(RunConfig):
 
     @property
     def world_size(self) -> int:
-        """Processes of the job: the trainer's, then one per generator."""
-        return self.trainer_world_size + self.workers.generators
+        """Processes of the job: the trainer's, then each generator's group (``generator_parallel`` tp x ep)."""
+        return self.trainer_world_size + self.workers.generators * self.workers.generator_parallel.size
 
     def _check_trainer_layout(self) -> None:
         par = self.parallel
@@ -299,6 +348,10 @@ class RLConfig(RunConfig):
                     f"the RL trainer supports data-parallel layouts (dp_shard, dp_replicate) only, got {name}="
                     f"{getattr(par, name)}")
         dp = self.trainer_world_size
+        require(not (self.workers.resolved_weight_sync(dp) == "reshard" and self.workers.generators
+                     and self.liveness.on_generator_loss == "continue"), "liveness.on_generator_loss",
+                "'continue' drops a lost generator from a broadcast weight sync (workers.weight_sync='gather', one "
+                "trainer process, one-process generators); the resharding sync stops the run instead (use 'stop')")
         if dp > 1:
             require(self.workers.generators >= 1, "parallel.dp_shard",
                     "colocated generation (workers.generators=0) runs on one unsharded trainer process; give "

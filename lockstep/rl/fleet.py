@@ -23,13 +23,21 @@ from lockstep.rl.transport import ROLLOUT_TAG, RolloutInbox, WeightSender
 
 
 class Fleet:
-    """The generators as trainer rank 0 sees them (``layout.liveness`` is its TrainerLiveness)."""
+    """The generators as trainer rank 0 sees them (``layout.liveness`` is its TrainerLiveness).
 
-    def __init__(self, config: RLConfig, layout: RLLayout, model: Any) -> None:
+    ``model``: rank 0's unsharded copy, broadcast whole (``workers.weight_sync = "gather"``); or
+    ``reshard``: this rank's :class:`~lockstep.rl.reshard.GroupSenders` (``"reshard"``), whose waits the
+    liveness channel watches from here."""
+
+    def __init__(self, config: RLConfig, layout: RLLayout, model: Any, reshard: Any = None) -> None:
         self.layout = layout
         self.live: TrainerLiveness = layout.liveness
         self.plan = StepPlan(layout.n_generators)
-        self.sender = WeightSender(model, layout.weight_groups, watch=self.live)
+        if reshard is not None:
+            reshard.watch(self.live)
+            self.sender = reshard
+        else:
+            self.sender = WeightSender(model, layout.weight_groups, watch=self.live)
         self.inbox = RolloutInbox(layout.rollout_group, ROLLOUT_TAG, watch=self.live)
         #: one record per generator dropped (continue mode), for metrics.jsonl
         self.events: list[dict] = []
@@ -57,7 +65,7 @@ class Fleet:
         self.live.phase(f"sending weights version {version}")
         while True:
             try:
-                return self.sender.send()
+                return self.sender.send(version)
             except PeerLost as lost:
                 self._lost(lost)
 
@@ -82,7 +90,7 @@ class Fleet:
         self.live.finish()
 
     def _lost(self, lost: PeerLost) -> None:
-        index = lost.rank - self.layout.trainer_world
+        index = self.layout.generator_of(lost.rank)
         left = [g for g in self.plan.alive if g != index]
         if not self.live.continue_on_loss or self.live.sigterm or not left or index not in self.plan.alive:
             raise lost

@@ -13,11 +13,20 @@ engine and KV cache follow the model there, and weight versions arrive in buffer
 weight group carries (:mod:`lockstep.rl.transport`). It tells the trainer what it is doing (its
 phase) over the heartbeat channel (:mod:`lockstep.rl.liveness`), which also ends it when the trainer
 is lost, stops the run, or drops it.
+
+**Generator groups** (``workers.generator_parallel`` tp or ep > 1): a generator is a group of processes
+running :class:`~lockstep.generate.parallel.GroupEngine` on a model sharded by
+:func:`~lockstep.generate.parallel.shard_for_generation`. The group's head runs the loop above; it
+tells the other ranks (over the group) each weights version it applies and each batch it generates,
+and they do the same (the engine's collectives need every rank; results are the head's). Each rank
+receives its own slices of every version from the trainer ranks (:mod:`lockstep.rl.weight_sync`).
 """
 
 from __future__ import annotations
 
 import time
+
+import torch.distributed as dist
 
 from lockstep import numerics
 
@@ -45,11 +54,29 @@ def rollout_batch_payload(rollout: Rollout, env, config: RLConfig, step: int, ve
 
 
 def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
-    """The generator loop (ranks T..T+N-1); returns when its last batch is delivered, the last weight
-    version received and the trainer has finished."""
+    """The generator loop (every generator rank); returns when its last batch is delivered, the last weight
+    version received and the trainer has finished. A group's head runs the loop below; its other ranks
+    follow its commands (:func:`_follow_head`)."""
+    group = layout.engine_groups.get(layout.generator_index)
+    policy.model.to(resolve_device(config.training.device))
+    if group is not None:  # before describing the layout: the slices this rank holds are the sharded ones
+        from lockstep.generate.parallel import shard_for_generation
+
+        par = config.workers.generator_parallel
+        shard_for_generation(policy.model, tp=par.tp, ep=par.ep, group=group, field="workers.generator_parallel")
+    plan = None
+    if config.workers.resolved_weight_sync(layout.trainer_world) == "reshard":
+        from lockstep.rl.weight_sync import generator_plan
+
+        plan = generator_plan(policy.model, layout)  # collective with the trainer ranks
+    commands = _Commands(group, layout.generator_rank(layout.generator_index))
+    if not layout.is_head:
+        _follow_head(config, policy, layout, plan, commands)
+        return
     live = layout.liveness
     live.phase("waiting for the trainer to start")
     info = live.wait_start()
+    commands.tell(("start", info))
     if "error" in info:
         return
     start, last = info["start"], info["last"]
@@ -57,8 +84,9 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
         live.finish()
         return
     live.phase("starting the engine")
-    policy.model.to(resolve_device(config.training.device))
-    receiver = WeightReceiver(policy.model, layout.weight_groups[layout.rank], first=start, last=last - 1)
+    receiver = _receiver(policy, layout, plan, start, last - 1)
+    if group is not None:
+        receiver.on_apply = lambda version: commands.tell(("apply", version))
     engine = _build_engine(config, policy)
     synced = receiver.version  # the weights version the engine runs (lockstep's engine reads the model itself)
     rollout = Rollout(engine, config.rollout, tokenizer=policy.tokenizer, chat_template=policy.chat_template)
@@ -67,9 +95,10 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
     produced: set[int] = set()
     while True:
         seen = live.changes
-        plan = StepPlan(layout.n_generators, [(rank - layout.trainer_world, s) for rank, s in live.lost_generators])
+        plan_steps = StepPlan(layout.n_generators,
+                              [(layout.generator_of(rank), s) for rank, s in live.lost_generators])
         step = next((i for i in range(start + 1, last + 1)
-                     if i not in produced and plan.owner(i) == layout.generator_index), None)
+                     if i not in produced and plan_steps.owner(i) == layout.generator_index), None)
         if step is None and receiver.version >= receiver.last:
             # its batches are out and every version is in: it stays until the trainer finishes, since a
             # lost generator's last batches may still come its way
@@ -93,7 +122,11 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
             done = engine.load_weights()
             synced = receiver.version
             sync = {"generator/weight_sync_s": done["seconds"], "generator/weight_sync_bytes": done["bytes"]}
+        elif plan is not None:
+            sync = {"generator/weight_sync_bytes": float(receiver.bytes),
+                    "generator/weight_sync_group_bytes": float(sum(p.nbytes for p in plan.pieces))}
         live.phase(f"generating batch {step} with weights version {receiver.version}")
+        commands.tell(("generate", step))
         payload = rollout_batch_payload(rollout, env, config, step, receiver.version)
         payload.update({**sync, "numerics": numerics.thread_settings(), "generator/weight_wait_s": waited,
                         "generator/rank": layout.rank,
@@ -101,14 +134,66 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
         _wait_sent(sender, receiver, live, f"sending the rollouts of step {max(produced, default=step)}")
         sender.send(payload)
         produced.add(step)
+    commands.tell(("done",))
     sender.close()
     live.finish()
     if hasattr(engine, "close"):  # the vLLM engine: its engine-core processes
         engine.close()
 
 
+def _receiver(policy: Policy, layout: RLLayout, plan, first: int, last: int):
+    """This rank's weight receiver: its slices (resharding sync) or the whole flat state (gather)."""
+    if plan is not None:
+        from lockstep.rl.weight_sync import generator_receiver
+
+        return generator_receiver(policy.model, layout, plan, first=first, last=last)
+    return WeightReceiver(policy.model, layout.weight_groups[layout.rank], first=first, last=last)
+
+
+class _Commands:
+    """The head's commands to the other ranks of its group (one broadcast each over the engine group;
+    nothing without a group)."""
+
+    def __init__(self, group, head: int) -> None:
+        self.group, self.head = group, head
+
+    def tell(self, command: tuple) -> None:
+        if self.group is not None:
+            dist.broadcast_object_list([command], src=self.head, group=self.group)
+
+    def hear(self) -> tuple:
+        box = [None]
+        dist.broadcast_object_list(box, src=self.head, group=self.group)
+        return box[0]
+
+
+def _follow_head(config: RLConfig, policy: Policy, layout: RLLayout, plan, commands: _Commands) -> None:
+    """A group's non-head rank: apply the versions the head applies, generate the batches it generates
+    (the engine's collectives need every rank; the head's sampled tokens are everyone's)."""
+    _, info = commands.hear()
+    if "error" in info or info["last"] <= info["start"]:
+        return
+    receiver = _receiver(policy, layout, plan, info["start"], info["last"] - 1)
+    engine = _build_engine(config, policy)
+    rollout = Rollout(engine, config.rollout, tokenizer=policy.tokenizer, chat_template=policy.chat_template)
+    env = config.task.build()
+    while True:
+        command = commands.hear()
+        if command[0] == "apply":
+            receiver.apply_until(command[1])
+        elif command[0] == "generate":
+            rollout_batch_payload(rollout, env, config, command[1], receiver.version)
+        else:
+            receiver.drain()
+            return
+
+
 def _build_engine(config: RLConfig, policy: Policy):
-    """The generator's engine (``workers.engine``)."""
+    """The generator's engine (``workers.engine``; a generator group's: lockstep's, on every rank)."""
+    if config.workers.generator_parallel.size > 1:
+        from lockstep.generate.parallel import GroupEngine
+
+        return GroupEngine(policy.model, policy.tokenizer, config.engine)
     if config.workers.engine == "vllm":
         from lockstep.vllm.engine import VllmEngine
 

@@ -2,16 +2,23 @@
 
 Ranks ``0 .. T-1`` are the trainer (``T = parallel.dp_replicate x parallel.dp_shard``): a
 :class:`~lockstep.parallel.runtime.ParallelRuntime` over those ranks only (its own DeviceMesh and
-group; FSDP2/HSDP over them by the same plan pretraining uses). Ranks ``T .. T+N-1`` are the
-generators. Groups (every rank creates every group, in the same order, as ``new_group`` requires):
+group; FSDP2/HSDP over them by the same plan pretraining uses). Then come the ``N`` generators, each
+a group of ``G = workers.generator_parallel`` tp x ep processes: generator ``g`` is ranks
+``T + g G .. T + (g + 1) G - 1``, its first rank the group's *head* (the only one that talks to the
+trainer about rollouts and liveness; all ranks of the group run the engine). Groups (every rank
+creates every group, in the same order, as ``new_group`` requires):
 
 - the runtime's group (``trainer_group``): the trainer ranks (a step's episodes are broadcast to
   them, metrics reduced);
-- ``weight_groups``: one per generator, trainer rank 0 + that generator (weight broadcasts: a
-  generator that stops answering holds up no other one's weights);
-- ``rollout_group``: trainer rank 0 + the generators (rollouts, point to point).
+- ``weight_groups`` (``workers.weight_sync = "gather"``): one per generator, trainer rank 0 + that
+  generator (weight broadcasts: a generator that stops answering holds up no other one's weights);
+- ``sync_groups`` (``"reshard"``): one per generator, the trainer ranks + that generator's ranks
+  (point-to-point slices, :mod:`lockstep.rl.reshard`);
+- ``engine_groups`` (G > 1): one per generator, its ranks (the engine's collectives, the head's
+  commands to the others);
+- ``rollout_group``: trainer rank 0 + the generators' heads (rollouts, point to point).
 
-Trainer rank 0 and the generators also share a heartbeat channel (``liveness``,
+Trainer rank 0 and the heads also share a heartbeat channel (``liveness``,
 :mod:`lockstep.rl.liveness`). :class:`StepPlan` says which generator produces each step's batch.
 """
 
@@ -31,11 +38,17 @@ class RLLayout:
     world_size: int
     trainer_world: int
     n_generators: int
+    #: processes of one generator group (workers.generator_parallel tp x ep)
+    group_size: int = 1
     #: the trainer ranks' runtime (None on generator ranks)
     runtime: ParallelRuntime | None = None
     trainer_group: object | None = None
-    #: generator rank -> the two-rank group (trainer rank 0, that generator) its weights go over
+    #: generator (head) rank -> the two-rank group (trainer rank 0, that generator) its weights go over
     weight_groups: dict[int, object] = dataclasses.field(default_factory=dict)
+    #: generator index -> the group of the trainer ranks and that generator's ranks (resharding sync)
+    sync_groups: dict[int, object] = dataclasses.field(default_factory=dict)
+    #: generator index -> the group of its own ranks (group size > 1)
+    engine_groups: dict[int, object] = dataclasses.field(default_factory=dict)
     rollout_group: object | None = None
     #: trainer rank 0 and generators: the heartbeat channel (a TrainerLiveness / GeneratorLiveness)
     liveness: object | None = None
@@ -46,10 +59,26 @@ class RLLayout:
 
     @property
     def generator_index(self) -> int:
-        return self.rank - self.trainer_world
+        """Which generator (group) this process belongs to."""
+        return (self.rank - self.trainer_world) // self.group_size
+
+    @property
+    def is_head(self) -> bool:
+        """A generator group's first rank (talks to the trainer)."""
+        return not self.is_trainer and (self.rank - self.trainer_world) % self.group_size == 0
 
     def generator_rank(self, index: int) -> int:
-        return self.trainer_world + index
+        """Generator ``index``'s head rank."""
+        return self.trainer_world + index * self.group_size
+
+    def generator_ranks(self, index: int) -> list[int]:
+        """Every rank of generator ``index``'s group."""
+        head = self.generator_rank(index)
+        return list(range(head, head + self.group_size))
+
+    def generator_of(self, rank: int) -> int:
+        """The generator index of a generator's (head) rank."""
+        return (rank - self.trainer_world) // self.group_size
 
     @property
     def dp(self) -> int:
@@ -62,17 +91,25 @@ class RLLayout:
 
 def create_layout(config: RLConfig, rank: int, world_size: int) -> RLLayout:
     """The trainer ranks' runtime and the groups (collective: every rank calls it)."""
-    t = config.trainer_world_size
-    layout = RLLayout(rank=rank, world_size=world_size, trainer_world=t, n_generators=config.workers.generators)
+    t, n = config.trainer_world_size, config.workers.generators
+    layout = RLLayout(rank=rank, world_size=world_size, trainer_world=t, n_generators=n,
+                      group_size=config.workers.generator_parallel.size)
     layout.runtime = ParallelRuntime.create(config.parallel, ranks=range(t), device=config.training.device)
     if world_size == 1:
         return layout
     if layout.runtime is not None:
         layout.trainer_group = layout.runtime.group
-    head = [0, *range(t, world_size)]
+    heads = [layout.generator_rank(g) for g in range(n)]
+    head = [0, *heads]
     # gloo, CPU tensors: a CUDA model's weights are staged through host buffers (rl.transport), and a
     # generator may share its GPU with trainer rank 0 (GPU = LOCAL_RANK % GPUs), where NCCL would refuse
-    layout.weight_groups = {g: dist.new_group(ranks=[0, g], backend="gloo") for g in range(t, world_size)}
+    if config.workers.resolved_weight_sync(t) == "gather":
+        layout.weight_groups = {g: dist.new_group(ranks=[0, g], backend="gloo") for g in heads}
+    else:
+        layout.sync_groups = {g: dist.new_group(ranks=[*range(t), *layout.generator_ranks(g)], backend="gloo")
+                              for g in range(n)}
+    if layout.group_size > 1:
+        layout.engine_groups = {g: dist.new_group(ranks=layout.generator_ranks(g), backend="gloo") for g in range(n)}
     layout.rollout_group = dist.new_group(ranks=head, backend="gloo")
     if rank in head and world_size > t:
         from lockstep.rl.liveness import connect_liveness

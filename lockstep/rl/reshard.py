@@ -30,7 +30,7 @@ import dataclasses
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -246,8 +246,9 @@ class ReshardSender:
     transfers (watched, when a ``watch`` is given: a lost generator raises PeerLost)."""
 
     def __init__(self, model: nn.Module, plan: ReshardPlan, rank: int, group: Any = None,
-                 watch: Watch | None = None) -> None:
-        self.tensors, self.rank, self.group, self.watch = _tensors(model), rank, group, watch
+                 watch: Watch | None = None, watch_rank: int | None = None) -> None:
+        self.tensors, self.rank, self.group = _tensors(model), rank, group
+        self.watch, self.watch_rank = watch, watch_rank
         sends = plan.sends(rank)
         self.packings = {dst: _Packing(pieces) for dst, pieces in sends.items()}
         device = transfer_device(group, next(iter(self.tensors.values())).device)
@@ -282,11 +283,16 @@ class ReshardSender:
             work.wait()
 
     def wait(self) -> None:
-        """Wait until the last version has gone out (watched: PeerLost names the generator)."""
-        ranks = sorted(self.packings)
-        if self.watch is not None and ranks:
-            self.watch.wait(ranks, self._pool.idle)
-        self._pool.result()
+        """Wait until the last version has gone out (watched: PeerLost names ``watch_rank``, the
+        destination group's head, which the liveness channel knows)."""
+        if self.watch is None:
+            self._pool.result()
+            return
+        self.watch.wait([self.watch_rank], self._pool.idle)
+        try:
+            self._pool.result()
+        except Exception as err:  # noqa: BLE001 -- a dead peer's connection error becomes PeerLost
+            self.watch.blame(self.watch_rank, err)
 
     def close(self) -> None:
         self.wait()
@@ -308,6 +314,8 @@ class ReshardReceiver:
         device = transfer_device(group, next(iter(self.tensors.values())).device)
         self.version, self.last = first - 1, last
         self.apply_s = 0.0
+        #: called with each version once applied (a group's head tells its other ranks to apply it too)
+        self.on_apply: Callable[[int], None] | None = None
         self._free: queue.Queue = queue.Queue()
         for _ in range(2):
             self._free.put({src: torch.empty(p.nbytes, dtype=torch.uint8, device=device)
@@ -356,6 +364,8 @@ class ReshardReceiver:
         self.apply_s += time.perf_counter() - started
         self.version = version
         self._free.put(buffers)
+        if self.on_apply is not None:
+            self.on_apply(version)
 
     def poll(self) -> int:
         """Apply every version that has fully arrived (without waiting); returns the version held."""

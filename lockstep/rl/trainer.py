@@ -84,8 +84,15 @@ class RLTrainer:
                 self.resumed = self.checkpointing.resume()
                 self.start = self.resumed["from_step"]
         self.last = config.stop_after or config.steps
+        #: every trainer rank's sends of its slices to each generator rank (workers.weight_sync "reshard"; the
+        #: plans are collective with the generators); None otherwise
+        self.reshard = None
+        if layout.n_generators and config.workers.resolved_weight_sync(layout.dp) == "reshard":
+            from lockstep.rl.weight_sync import GroupSenders
+
+            self.reshard = GroupSenders(self.model, layout)
         #: rank 0's generators (weights out, rollouts in, liveness); None on other ranks and colocated
-        self.fleet = Fleet(config, layout, self.shadow) if self.main and layout.n_generators else None
+        self.fleet = Fleet(config, layout, self.shadow, self.reshard) if self.main and layout.n_generators else None
         #: each generator's numerics settings (threads, batch-invariant attention implementation)
         self.generator_numerics: dict[int, dict] = {}
 
@@ -114,7 +121,10 @@ class RLTrainer:
                      "mode": "colocated" if n == 0 else "separate processes (torchrun, torch.distributed)",
                      "backend": dist.get_backend() if dist.is_initialized() else None,
                      "max_offpolicy_steps": cfg.workers.max_offpolicy_steps,
-                     "weight_sync": "one broadcast of a flat byte buffer per version" if n else "shared modules"},
+                     "generator_parallel": to_dict(cfg.workers.generator_parallel),
+                     "weight_sync": ("shared modules" if not n else "each trainer rank sends each generator rank its "
+                                     "slices (resharding)" if self.reshard is not None else
+                                     "one broadcast of a flat byte buffer per version")},
             environment={"name": cfg.task.env, "options": cfg.task.options},
         )
 
@@ -181,6 +191,8 @@ class RLTrainer:
                 self.fleet.start(self.start, self.last)
                 if self.last > self.start:
                     self.fleet.send_weights(self.start)  # version `start`: the generators' first weights
+            elif self.reshard is not None and self.last > self.start:
+                self.reshard.send(self.start)
             bar = writer.progress(self.last, cfg.recipe, cfg.output.progress)
             step_started = time.perf_counter()
             guard = NonFiniteGuard(cfg.training.on_nonfinite, max_rollbacks=cfg.training.max_rollbacks,
@@ -201,8 +213,12 @@ class RLTrainer:
                         if restored is not None:
                             record["nonfinite/rollback_to"] = restored
                     record.update(guard.record())
-                    self._refresh_shadow()
+                    if self.reshard is None or step == self.last or (  # resharding: the copy only evaluates, saves
+                            cfg.task.eval_every and (step % cfg.task.eval_every == 0 or step == cfg.steps)):
+                        self._refresh_shadow()
                     sync = self.fleet.send_weights(step) if self.fleet is not None and step < self.last else {}
+                    if self.fleet is None and self.reshard is not None and step < self.last:
+                        self.reshard.send(step)
                     now = time.perf_counter()
                     record.update({
                         "policy_version": step, "rollout_version": payload["version"],
@@ -234,6 +250,8 @@ class RLTrainer:
                 if self.fleet is not None:
                     self.fleet.finish()
                     self._write_fleet_events(writer, logged)
+                elif self.reshard is not None:
+                    self.reshard.close()
             except PeerLost as lost:
                 self._stop(lost, writer, bar, done, logged)
                 raise

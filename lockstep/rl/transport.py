@@ -163,8 +163,9 @@ class WeightSender:
         self._works: dict[int, Any] = {}
         self.sent = 0
 
-    def send(self) -> dict[str, float]:
-        """Broadcast the current weights; returns seconds waiting for the previous send and packing.
+    def send(self, version: int | None = None) -> dict[str, float]:
+        """Broadcast the current weights (``version``: implied by the order, unused); returns seconds waiting
+        for the previous send and packing.
         Raises PeerLost (nothing sent) when a generator is lost while waiting: ``drop`` it, call again."""
         started = time.perf_counter()
         self._wait_all()
