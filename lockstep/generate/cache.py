@@ -6,7 +6,10 @@ Every layer owns one pool tensor per cached quantity, ``[num_blocks + 1, block_s
 * multi-head latent attention (DeepSeek-V3): one latent, ``[.., block_size, kv_lora_rank +
   qk_rope_head_dim]`` (the normalised ``c_kv`` and the rotated shared ``k_pe``), never full K/V;
   DeepSeek-V3.2's sparse indexer adds its keys beside it, ``[.., block_size, index_head_dim]``
-  (``LayerLayout.index_dim``; :meth:`LayerCache.gather_index_keys`).
+  (``LayerLayout.index_dim``; :meth:`LayerCache.gather_index_keys`);
+* compressed attention (DeepSeek-V4; ``kind="compressed"``): one compressed entry per ``rate`` tokens,
+  ``[.., entries_per_block, head_dim]``, and for CSA the indexer's compressed keys beside it; the rest
+  of its state (window keys, pending windows) is per sequence (:mod:`lockstep.generate.compressed_cache`).
 
 Block 0 is the *null block*: never handed out, it absorbs the writes of padding tokens and pads
 block tables; it is only ever read at masked positions. A sequence owns whole blocks (its block
@@ -50,7 +53,8 @@ NULL_BLOCK = 0
 class LayerLayout:
     """What one attention layer caches per token."""
 
-    #: "kv" (keys and values per KV head) or "latent" (one shared latent, MLA)
+    #: "kv" (keys and values per KV head), "latent" (one shared latent, MLA) or "compressed"
+    #: (DeepSeek-V4: one entry of ``key_dim`` per ``rate`` tokens, plus ``index_dim`` for CSA)
     kind: str
     #: KV heads ("kv"); 1 for "latent"
     heads: int
@@ -62,9 +66,21 @@ class LayerLayout:
     window: int = 0
     #: width of the sparse indexer's cached key ("latent" with an indexer, DeepSeek-V3.2); 0: none
     index_dim: int = 0
+    #: tokens per compressed entry ("compressed")
+    rate: int = 0
 
     def elements_per_token(self) -> int:
         return (self.heads * (self.key_dim + self.value_dim) if self.kind == "kv" else self.key_dim) + self.index_dim
+
+    def entries_per_block(self, block_size: int) -> int:
+        """Cached rows per block: ``block_size`` tokens, or ("compressed") the entries whose windows
+        start in the block (entry ``w`` lives in the block of its first token ``w * rate``)."""
+        return -(-block_size // self.rate) if self.kind == "compressed" else block_size
+
+    def elements_per_block(self, block_size: int) -> int:
+        if self.kind == "compressed":
+            return self.entries_per_block(block_size) * (self.key_dim + self.index_dim)
+        return block_size * self.elements_per_token()
 
 
 def layer_layouts(model: nn.Module) -> dict[str, LayerLayout]:
@@ -74,6 +90,12 @@ def layer_layouts(model: nn.Module) -> dict[str, LayerLayout]:
         attn = block.attention
         path = f"layers.{name}.attention"
         if hasattr(attn, "recurrent_state_shapes"):  # linear attention: lockstep.generate.recurrent
+            continue
+        if hasattr(attn, "cached_compressors"):  # DeepSeek-V4: lockstep.generate.compressed_cache
+            named = attn.cached_compressors()
+            main, index = named.get("compressor"), named.get("indexer")
+            layouts[name] = LayerLayout("compressed", 1, main.head_dim if main else 0, 0,
+                                        index_dim=index.head_dim if index else 0, rate=main.rate if main else 1)
             continue
         if isinstance(attn, MultiHeadLatentAttention):
             index_dim = attn.indexer.head_dim if getattr(attn, "indexer", None) is not None else 0
@@ -85,8 +107,8 @@ def layer_layouts(model: nn.Module) -> dict[str, LayerLayout]:
             layouts[name] = LayerLayout("kv", heads, attn.head_dim, attn.head_dim, attn.window)
         else:
             raise ConfigError(f"{path}: {type(attn).__name__} has no KV-cache path in lockstep's engine "
-                              f"(GroupedQueryAttention and MultiHeadLatentAttention do); this model cannot be served "
-                              f"by it yet")
+                              f"(GroupedQueryAttention, MultiHeadLatentAttention and CompressedAttention do); this "
+                              f"model cannot be served by it yet")
         try:
             get_cached_attention(attn.backend_name)
         except ValueError as err:
@@ -254,6 +276,12 @@ class PagedKVCache:
         for name, lay in layouts.items():
             shape = ((window_blocks if lay.window else num_blocks) + 1, block_size)
             # zeros: slots read only under a mask must still be finite (0 x NaN would poison softmax @ V)
+            if lay.kind == "compressed":  # entries and indexer keys (either may be 0 wide)
+                shape = (num_blocks + 1, lay.entries_per_block(block_size))
+                pools = (torch.zeros(*shape, lay.key_dim, dtype=dtype, device=device),
+                         torch.zeros(*shape, lay.index_dim, dtype=dtype, device=device))
+                self._layers[name] = LayerCache(self, lay, pools)
+                continue
             if lay.kind == "kv":
                 pools = (torch.zeros(*shape, lay.heads, lay.key_dim, dtype=dtype, device=device),
                          torch.zeros(*shape, lay.heads, lay.value_dim, dtype=dtype, device=device))
@@ -266,7 +294,7 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_block(layouts: dict[str, LayerLayout], block_size: int, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()
-        return block_size * element * sum(lay.elements_per_token() for lay in layouts.values())
+        return element * sum(lay.elements_per_block(block_size) for lay in layouts.values())
 
     @staticmethod
     def sizes(layouts: dict[str, LayerLayout], block_size: int, dtype: torch.dtype, max_batch_size: int

@@ -108,6 +108,9 @@ class Engine:
         self.device, self.dtype = weight.device, weight.dtype
         if config.batch_invariant:
             check_batch_invariant_device(self.device)
+            refusal = getattr(model.config, "batch_invariant_refusal", None)  # a family without invariant kernels
+            if callable(refusal):
+                raise ConfigError(f"engine.batch_invariant: {refusal()}")
         on_cpu = self.device.type == "cpu"
         #: linears on prepacked weights (EngineConfig.pack_weights; bf16, and fp32 with AVX-512, on CPU)
         kernel = linear_kernel(config.linear_kernel, self.dtype) if config.pack_weights and on_cpu else None

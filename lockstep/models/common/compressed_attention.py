@@ -16,10 +16,13 @@ Per block (transformers' ``DeepseekV4Attention``):
   of ``o_a_proj`` to ``o_lora_rank``, then mixed by ``o_b_proj``.
 
 Computed eagerly (scores materialised, fp32 softmax): the kernels in :mod:`lockstep.ops.attention`
-take neither compressed keys nor sinks with per-query key sets.
+take neither compressed keys nor sinks with per-query key sets. Generation hands ``forward`` a cache
+(:mod:`lockstep.generate.compressed_cache`) that keeps the window's keys and the compressed entries.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -86,8 +89,19 @@ class CompressedAttention(nn.Module):
         nn.init.zeros_(self.sinks)
         nn.init.normal_(self.o_a_proj.weight, std=self.init_std)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``x [B, T, D]`` at ``positions [1 or B, T]`` (0..T-1 of one whole sequence) -> ``[B, T, D]``."""
+    def cached_compressors(self) -> dict[str, KVCompressor]:
+        """The compressors whose state a generation cache keeps, by the names :meth:`forward` hands
+        the cache (``"compressor"``; CSA also ``"indexer"``); empty for a pure sliding-window block."""
+        named = {"compressor": self.compressor} if self.compressor is not None else {}
+        if self.indexer is not None:
+            named["indexer"] = self.indexer.compressor
+        return named
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        """``x [B, T, D]`` at ``positions [1 or B, T]`` -> ``[B, T, D]``. Without ``cache``: whole
+        sequences from position 0. With a generation ``cache``: each row's new tokens at ``positions``;
+        the cache adds its kept sliding-window keys (``cache.window_keys``) and compressed entries
+        (:meth:`KVCompressor.cached`)."""
         batch, seq, _ = x.shape
         pos = positions.expand(batch, -1)
         cos, sin = rope_cos_sin(pos, self.rope, self.rope_dim)
@@ -95,14 +109,20 @@ class CompressedAttention(nn.Module):
         q = self.q_b_proj(q_latent).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
         q = apply_interleaved_rope(unweighted_rms_norm(q, self.norm_eps), cos, sin)
         kv = apply_interleaved_rope(self.kv_norm(self.kv_proj(x)).unsqueeze(1), cos, sin)  # [B, 1, T, K]
-        distance = pos.unsqueeze(-1) - pos.unsqueeze(-2)  # [B, T, T] query minus key
-        allowed = (distance >= 0) & (distance < self.sliding_window)
+        if cache is None:
+            distance = pos.unsqueeze(-1) - pos.unsqueeze(-2)  # [B, T, T] query minus key
+            allowed = (distance >= 0) & (distance < self.sliding_window)
+        else:
+            keys, allowed = cache.window_keys(kv.squeeze(1), self.sliding_window)
+            kv = keys.unsqueeze(1)
         if self.compressor is not None:
-            compressed = self.compressor(x)  # [B, C, K]
-            if self.indexer is not None:
+            compressed = self.compressor(x) if cache is None else self.compressor.cached(x, cache, "compressor")
+            if self.indexer is None:
+                picked = causal_entries(pos, compressed.shape[1], self.rate)
+            elif cache is None:
                 picked = self.indexer(x, q_latent, positions)
             else:
-                picked = causal_entries(pos, compressed.shape[1], self.rate)
+                picked = self.indexer.cached(x, q_latent, pos, cache)
             kv = torch.cat([kv, compressed.unsqueeze(1)], dim=2)
             allowed = torch.cat([allowed, picked], dim=-1)
         scores = torch.matmul(q, kv.transpose(-1, -2)) * self.head_dim ** -0.5

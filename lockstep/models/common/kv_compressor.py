@@ -16,9 +16,14 @@ against the compressed keys (``sum_h w_h * relu(q_h . k)``) and keeps the ``topk
 entries. Trailing tokens that do not fill a window are not compressed (a training forward of the
 whole sequence, as transformers' cache-less path does). Names follow transformers'
 ``DeepseekV4{HCA,CSA}Compressor`` / ``DeepseekV4Indexer``.
+
+Generation (``cached``): the engine's cache (:mod:`lockstep.generate.compressed_cache`) keeps each
+sequence's recent projections and its entries; both paths pool with :meth:`KVCompressor.pool`.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,23 +73,44 @@ class KVCompressor(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         """``h [B, T, D]`` -> compressed entries ``[B, T // rate, head_dim]`` (rotated)."""
-        batch, rate, hd = h.shape[0], self.rate, self.head_dim
+        batch, rate = h.shape[0], self.rate
         n_windows = h.shape[1] // rate
         usable = h[:, : n_windows * rate]
         if n_windows == 0:
-            return h.new_zeros((batch, 0, hd))
+            return h.new_zeros((batch, 0, self.head_dim))
         kv = self.kv_proj(usable).view(batch, n_windows, rate, -1)
-        gate = self.gate_proj(usable).view(batch, n_windows, rate, -1) + self.position_bias
+        gate = self.gate_proj(usable).view(batch, n_windows, rate, -1)
+        prev_kv = prev_gate = None
+        if self.overlap:  # window w-1 of each window w; the first has none (gate -inf: weight 0)
+            prev_kv = F.pad(kv[:, :-1], (0, 0, 0, 0, 1, 0))
+            prev_gate = F.pad(gate[:, :-1], (0, 0, 0, 0, 1, 0), value=float("-inf"))
+        windows = torch.arange(n_windows, device=h.device).unsqueeze(0).expand(batch, -1)
+        return self.pool(kv, gate, windows, prev_kv, prev_gate)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, windows: torch.Tensor, prev_kv: torch.Tensor | None = None,
+             prev_gate: torch.Tensor | None = None) -> torch.Tensor:
+        """One entry per window: ``kv``/``gate [B, W, rate, width]`` the projections of windows
+        ``windows [B, W]`` (before ``position_bias``); overlap: ``prev_kv``/``prev_gate`` those of each
+        window's predecessor (gate ``-inf`` where there is none) -> ``[B, W, head_dim]`` (rotated)."""
+        hd = self.head_dim
+        gate = gate + self.position_bias
         if self.overlap:  # slots [0, rate): previous window's first half; [rate, 2 rate): this one's second
-            prev_kv = F.pad(kv[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0))
-            prev_gate = F.pad(gate[:, :-1, :, :hd], (0, 0, 0, 0, 1, 0), value=float("-inf"))
-            kv = torch.cat([prev_kv, kv[..., hd:]], dim=2)
-            gate = torch.cat([prev_gate, gate[..., hd:]], dim=2)
+            prev_gate = prev_gate + self.position_bias
+            kv = torch.cat([prev_kv[..., :hd], kv[..., hd:]], dim=2)
+            gate = torch.cat([prev_gate[..., :hd], gate[..., hd:]], dim=2)
         pooled = (kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2)
         compressed = self.kv_norm(pooled)
-        positions = (torch.arange(n_windows, device=h.device) * rate).unsqueeze(0).expand(batch, -1)
-        cos, sin = rope_cos_sin(positions, self.rope, self.rope_dim)
+        cos, sin = rope_cos_sin(windows * self.rate, self.rope, self.rope_dim)
         return apply_interleaved_rope(compressed.unsqueeze(1), cos, sin).squeeze(1)
+
+    def cached(self, h: torch.Tensor, cache: Any, name: str) -> torch.Tensor:
+        """Generation: ``h [B, T, D]`` are each row's new tokens. The cache hands back the windows
+        they complete (with the earlier tokens it kept) and, once they are pooled, stores the new
+        entries and returns every entry of each row's context so far ``[B, C, head_dim]``
+        (``cache.compressor_windows`` / ``cache.store_entries``; :mod:`lockstep.generate.compressed_cache`)."""
+        windows = cache.compressor_windows(name, self.kv_proj(h), self.gate_proj(h), self.rate, self.overlap)
+        entries = self.pool(windows.kv, windows.gate, windows.ids, windows.prev_kv, windows.prev_gate)
+        return cache.store_entries(name, entries, windows)
 
 
 def causal_entries(positions: torch.Tensor, n_entries: int, rate: int) -> torch.Tensor:
@@ -122,8 +148,17 @@ class CompressedIndexer(nn.Module):
 
     def forward(self, h: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Allowed entries ``[B, T, C]`` (bool) for ``C = T // rate`` compressed entries."""
+        return self.select(h, q_latent, positions, self.compressor(h))
+
+    def cached(self, h: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor, cache: Any) -> torch.Tensor:
+        """Generation: the allowed entries ``[B, T, C]`` over each row's cached indexer keys (the new
+        tokens at ``positions [B, T]``; :meth:`KVCompressor.cached` under the name ``"indexer"``)."""
+        return self.select(h, q_latent, positions, self.compressor.cached(h, cache, "indexer"))
+
+    def select(self, h: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
+               keys: torch.Tensor) -> torch.Tensor:
+        """The ``topk`` best causal entries of ``keys [B, C, K]`` for each query (``[B, T, C]`` bool)."""
         batch, seq = h.shape[:2]
-        keys = self.compressor(h)
         n_entries = keys.shape[1]
         causal = causal_entries(positions.expand(batch, -1), n_entries, self.rate)
         if n_entries == 0:

@@ -8,9 +8,10 @@ only wires them: embeddings are copied onto ``hc_mult`` streams, each block is
 ``streams = hc_residual(attn(norm(collapse(streams))))`` then the same with the MoE, and a
 :class:`~lockstep.models.common.hyper_connections.HyperHead` collapses the streams before the final norm.
 
-Scope: whole-sequence forwards (training, scoring) from position 0; no KV cache (the generation
-engine's cache does not hold compressed-attention state), no MTP, no tensor parallelism,
-and batch-invariant mode is refused (:meth:`DeepSeekV4.trunk`).
+Scope: whole-sequence forwards (training, scoring) from position 0, and generation through the
+engine's cache (``trunk(cache=...)``: each block's attention gets ``cache.layer(name)``,
+:mod:`lockstep.generate.compressed_cache`; hash routing reads the step's token ids); no MTP, no
+tensor parallelism, and batch-invariant mode is refused (:meth:`DeepSeekV4.trunk`).
 """
 
 from __future__ import annotations
@@ -133,9 +134,10 @@ class DeepSeekV4Block(nn.Module):
         self.attn_hc = HyperConnection(c.dim, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
         self.ffn_hc = HyperConnection(c.dim, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
 
-    def forward(self, streams: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor,
+                cache: Any = None) -> torch.Tensor:
         post, comb, x = self.attn_hc(streams)
-        streams = hyper_residual(post, comb, self.attention(self.attention_norm(x), positions), streams)
+        streams = hyper_residual(post, comb, self.attention(self.attention_norm(x), positions, cache), streams)
         post, comb, x = self.ffn_hc(streams)
         return hyper_residual(post, comb, self.feed_forward(self.ffn_norm(x), tokens), streams)
 
@@ -155,21 +157,24 @@ class DeepSeekV4(Transformer):
 
     def trunk(self, tokens: torch.Tensor, positions: torch.Tensor | None = None, cache: Any = None,
               visual: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(positions, embeddings, final-normed hidden states) of whole sequences from position 0."""
+        """(positions, embeddings, final-normed hidden states) of whole sequences from position 0, or
+        (``cache``, generation) of each sequence's new ``tokens [B, T]`` at ``positions [B, T]``."""
         if numerics.is_batch_invariant():
             raise ConfigError(f"numerics.batch_invariant: {self.config.batch_invariant_refusal()}")
-        if cache is not None or visual is not None:
-            raise ConfigError("model.family: deepseek_v4 has no KV cache for its compressed attention state "
-                              "(no generation) and no vision input")
-        seq = tokens.shape[1]
-        arange = torch.arange(seq, device=tokens.device)[None]
-        if positions is not None and not torch.equal(positions, arange.expand_as(positions)):
-            raise ConfigError("positions: deepseek_v4 runs whole sequences from position 0 (no packing offsets)")
+        if visual is not None:
+            raise ConfigError("model.family: deepseek_v4 takes no vision input")
+        if cache is None:
+            arange = torch.arange(tokens.shape[1], device=tokens.device)[None]
+            if positions is not None and not torch.equal(positions, arange.expand_as(positions)):
+                raise ConfigError("positions: deepseek_v4 runs whole sequences from position 0 (no packing offsets)")
+            positions = arange
+        elif positions is None:
+            raise ConfigError("positions: a cached deepseek_v4 forward needs each new token's position")
         embeddings = self.tok_embeddings(tokens)
         streams = embeddings.unsqueeze(2).expand(-1, -1, self.config.hc_mult, -1).contiguous()
-        for layer in self.layers.values():
-            streams = layer(streams, arange, tokens)
-        return arange, embeddings, self.norm(self.hc_head(streams))
+        for name, layer in self.layers.items():
+            streams = layer(streams, positions, tokens, None if cache is None else cache.layer(name))
+        return positions, embeddings, self.norm(self.hc_head(streams))
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 x active matmul params plus attention over at most ``sliding_window`` + compressed keys."""

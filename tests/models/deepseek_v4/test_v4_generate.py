@@ -1,7 +1,6 @@
-"""DeepSeek-V4 generation: lockstep's engine refuses the family (its paged cache has no place for the
-compressed entries, window buffers and CSA overlap state), and greedy decoding by whole-sequence
-recompute in lockstep equals transformers' ``generate`` (which runs its own CSA/HCA cache) -- the
-reference an engine path would have to meet."""
+"""DeepSeek-V4 generation references: greedy decoding by whole-sequence recompute in lockstep equals
+transformers' ``generate`` (which runs its own CSA/HCA cache), and what lockstep's engine still refuses
+for the family (batch-invariant mode). The engine's cached path: tests/generate/test_deepseek_v4_generate.py."""
 
 from __future__ import annotations
 
@@ -29,10 +28,11 @@ def models():
     return model, hf
 
 
-def test_engine_refuses_compressed_attention(models):
+def test_engine_refuses_batch_invariant_mode(models):
     model, _ = models
-    with pytest.raises(ConfigError, match=r"layers.0.attention: CompressedAttention has no KV-cache path"):
-        Engine(model, None, EngineConfig(cache_memory_mb=4))
+    with pytest.raises(ConfigError, match=r"engine.batch_invariant: not supported by deepseek_v4 .*"
+                                          r"'compressed_attention.eager'"):
+        Engine(model, None, EngineConfig(cache_memory_mb=4, batch_invariant=True))
 
 
 @pytest.mark.parametrize("prompt_len", [1, 13])

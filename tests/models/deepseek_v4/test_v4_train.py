@@ -45,8 +45,10 @@ def test_tensor_parallel_refused(model):
 
 def test_unsupported_forwards_refused(model):
     tokens = torch.randint(0, 4096, (1, 6))
-    with pytest.raises(ConfigError, match="no KV cache"):
+    with pytest.raises(ConfigError, match="^positions: a cached deepseek_v4 forward"):
         model.trunk(tokens, cache=object())
+    with pytest.raises(ConfigError, match="no vision input"):
+        model.trunk(tokens, visual=object())
     with pytest.raises(ConfigError, match="^positions: "):
         model.trunk(tokens, positions=torch.arange(3, 9)[None])
     assert model(tokens, positions=torch.arange(6)[None]).shape == (1, 6, 4096)
