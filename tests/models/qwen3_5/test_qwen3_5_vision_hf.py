@@ -1,7 +1,7 @@
 """Qwen3.5 image-text (dense and MoE) against transformers' Qwen3_5[Moe]ForConditionalGeneration at tiny random
 shapes: text-only logits, logits with images (odd grids, two frames, two images in a row), gradients, mRoPE
 positions, the vision tower's features, load -> save -> load bitwise, save_hf -> from_pretrained, greedy
-generation, the flavors. No downloads."""
+generation (reference loop and engine). No downloads."""
 
 import json
 
@@ -193,6 +193,10 @@ def test_placeholder_mismatch_is_a_clear_error(pair):
 
 @pytest.mark.parametrize("pair", [False], ids=["dense"], indirect=True)  # the decode loop is the same for MoE
 def test_greedy_generation_equals_transformers_generate(pair):
+    """Two images in one prompt: transformers' generate, the full-recompute reference and the engine (paged KV
+    cache + Gated DeltaNet state, prefill in 8-token chunks so that the images straddle chunks) agree."""
+    from lockstep.generate import Engine, EngineConfig, Request, SamplingParams
+    from lockstep.generate.vision import PixelImage
     from lockstep.models.qwen3_vl.model import greedy_generate
 
     hf, model, _ = pair
@@ -204,6 +208,12 @@ def test_greedy_generation_equals_transformers_generate(pair):
                       mm_token_type_ids=(tokens == IMAGE).int())
     out = greedy_generate(model, tokens, pixels, grid, max_new_tokens=5)
     assert torch.equal(out, ref), (out[0, -5:].tolist(), ref[0, -5:].tolist())
+    first = int(grid[0].prod())
+    images = [PixelImage(pixels[:first], tuple(grid[0].tolist())), PixelImage(pixels[first:], tuple(grid[1].tolist()))]
+    engine = Engine(model, None, EngineConfig(cache_memory_mb=4, block_size=4, max_batch_size=2, prefill_chunk=8))
+    result = engine.generate([Request(prompt_ids=tokens[0].tolist(), images=images,
+                                      sampling=SamplingParams(temperature=0, max_new_tokens=5))])[0]
+    assert result.token_ids == ref[0, tokens.shape[1]:].tolist()
 
 
 def test_multimodal_processor_is_qwen3_vl_s():
