@@ -1,6 +1,6 @@
 """``lockstep generate`` and ``lockstep chat``: the generation engine from the command line.
 
-    lockstep generate --checkpoint DIR --prompt TEXT [--chat] [sampling flags] [--json]
+    lockstep generate --checkpoint DIR --prompt TEXT [--chat [--image PATH ...]] [sampling flags] [--json]
     lockstep chat --checkpoint DIR [sampling flags]
 
 DIR is a Hugging Face model directory, a lockstep model directory, a training run directory, a
@@ -44,6 +44,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         parser.add_argument("--chat", action="store_true",
                             help="send the prompt as a user turn through the model's chat template")
         parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+        parser.add_argument("--image", action="append", default=[], metavar="PATH",
+                            help="an image file for a vision-language model (repeatable; with --chat: the images "
+                                 "go before the prompt in the user turn)")
     parser.add_argument("--system", default=None, help="system message (with --chat / chat)")
     parser.add_argument("--chat-template", default=None, metavar="FILE",
                         help="Jinja chat template file (or tokenizer_config.json) to use instead of the model's")
@@ -81,6 +84,11 @@ def _parse(prog: str, argv: list[str]) -> argparse.Namespace:
                           "or a .gguf file)")
     if prog == "generate" and not args.prompt.strip():
         raise ConfigError("--prompt: must not be empty")
+    for image in getattr(args, "image", []):
+        if not args.chat:
+            raise ConfigError("--image: needs --chat (the chat template places the images in the prompt)")
+        if not Path(image).expanduser().is_file():
+            raise ConfigError(f"--image {image}: no such file")
     if args.step is not None and args.step < 0:
         raise ConfigError(f"--step: must be >= 0, got {args.step}")
     if args.cache_mb <= 0:
@@ -155,22 +163,23 @@ def _template_from_file(file: Path, tokenizer: Any = None) -> Any:
 
 def _engine(source: Any, args: argparse.Namespace) -> Any:
     from lockstep.generate import EngineConfig
+    from lockstep.generate.vision import image_pixel_bounds
     from lockstep.vllm import build_engine
 
     return build_engine(args.engine, source.model, source.tokenizer,
-                        EngineConfig(cache_memory_mb=args.cache_mb, max_batch_size=1))
+                        EngineConfig(cache_memory_mb=args.cache_mb, max_batch_size=1, **image_pixel_bounds(source.path)))
 
 
 def _messages(args: argparse.Namespace) -> list[dict[str, str]]:
     return [{"role": "system", "content": args.system}] if args.system else []
 
 
-def _stream(engine: Any, prompt_ids: list[int], sampling: Any, out: TextIO) -> Any:
+def _stream(engine: Any, prompt_ids: list[int], sampling: Any, out: TextIO, images: list[Any] | None = None) -> Any:
     """Run one request, writing its text to ``out`` as it is generated; returns the result."""
     from lockstep.generate import Request
 
     result = None
-    for event in engine.stream([Request(prompt_ids=prompt_ids, sampling=sampling)]):
+    for event in engine.stream([Request(prompt_ids=prompt_ids, sampling=sampling, images=images)]):
         if event.text:
             out.write(event.text)
             out.flush()
@@ -185,8 +194,15 @@ def cmd_generate(argv: list[str]) -> int:
     source = _load(args, need_template=args.chat)
     sampling = _sampling(args, source.stop_token_ids)
     tok = source.tokenizer
+    images = None
     if args.chat:
-        prompt_ids = source.chat_template.encode(tok, [*_messages(args), {"role": "user", "content": args.prompt}])
+        content: Any = args.prompt
+        if args.image:
+            from lockstep.generate.chat import message_images
+
+            content = [*({"type": "image", "path": p} for p in args.image), {"type": "text", "text": args.prompt}]
+            images = message_images([{"role": "user", "content": content}])
+        prompt_ids = source.chat_template.encode(tok, [*_messages(args), {"role": "user", "content": content}])
     else:
         prompt_ids = tok.encode(args.prompt)
     if not prompt_ids:
@@ -196,12 +212,12 @@ def cmd_generate(argv: list[str]) -> int:
         if args.json:
             from lockstep.generate import Request
 
-            [result] = engine.generate([Request(prompt_ids=prompt_ids, sampling=sampling)])
+            [result] = engine.generate([Request(prompt_ids=prompt_ids, sampling=sampling, images=images)])
             print(json.dumps({"prompt_ids": result.prompt_ids, "token_ids": result.token_ids,
                               "logprobs": result.logprobs, "text": result.text,
                               "finish_reason": result.finish_reason}))
             return 0
-        _stream(engine, prompt_ids, sampling, sys.stdout)
+        _stream(engine, prompt_ids, sampling, sys.stdout, images)
         sys.stdout.write("\n")
     finally:
         if hasattr(engine, "close"):  # the vLLM engine: its engine core and this process's torch.distributed state

@@ -74,6 +74,26 @@ class SequenceImages:
     columns: torch.Tensor
 
 
+def image_pixel_bounds(model_dir: Any) -> dict[str, int]:
+    """``EngineConfig`` image pixel bounds from a model directory's ``preprocessor_config.json``
+    (``min_pixels`` / ``max_pixels``, or transformers 5's ``size.shortest_edge`` / ``longest_edge``);
+    empty when it has none (the defaults: Qwen3-VL's)."""
+    import json
+    from pathlib import Path
+
+    file = Path(model_dir) / "preprocessor_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise ConfigError(f"{file}: not valid JSON ({err})") from None
+    size = config.get("size") if isinstance(config.get("size"), dict) else {}
+    bounds = {"image_min_pixels": config.get("min_pixels", size.get("shortest_edge")),
+              "image_max_pixels": config.get("max_pixels", size.get("longest_edge"))}
+    return {k: int(v) for k, v in bounds.items() if v is not None}
+
+
 def has_vision(model: Any) -> bool:
     """Whether ``model`` takes images (a vision tower and ``visual_inputs``)."""
     return hasattr(model, "visual") and hasattr(model, "visual_inputs")

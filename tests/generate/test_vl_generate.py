@@ -210,9 +210,8 @@ def _tokenizer():
     return fast
 
 
-def test_chat_template_with_images_equals_transformers_processor(pair):
-    """Messages with image parts (transformers' ``{"type": "image"}`` and OpenAI's ``image_url``) render the
-    processor's text, and the engine's expanded prompt equals the processor's input_ids; then generate."""
+def _processor(tokenizer):
+    """transformers' Qwen3-VL processor (the PIL image processor of these models, the VL template)."""
     from transformers import Qwen3VLProcessor
 
     class ImageOnlyProcessor(Qwen3VLProcessor):
@@ -223,11 +222,17 @@ def test_chat_template_with_images_equals_transformers_processor(pair):
             if argument_name != "video_processor":
                 return super().check_argument_for_proper_class(argument_name, argument)
 
+    return ImageOnlyProcessor(image_processor=_hf_processor(), tokenizer=tokenizer, video_processor=None,
+                              chat_template=VL_TEMPLATE)
+
+
+def test_chat_template_with_images_equals_transformers_processor(pair):
+    """Messages with image parts (transformers' ``{"type": "image"}`` and OpenAI's ``image_url``) render the
+    processor's text, and the engine's expanded prompt equals the processor's input_ids; then generate."""
     hf, model = pair
     images = [PIL.fromarray(i) for i in _images()[:2]]
     tokenizer = _tokenizer()
-    processor = ImageOnlyProcessor(image_processor=_hf_processor(), tokenizer=tokenizer, video_processor=None,
-                                   chat_template=VL_TEMPLATE)
+    processor = _processor(tokenizer)
     messages = [{"role": "user", "content": [
         {"type": "image", "image": images[0]}, {"type": "text", "text": "Say what."},
         {"type": "image", "image": images[1]}]}]
@@ -248,3 +253,33 @@ def test_chat_template_with_images_equals_transformers_processor(pair):
     hf.model.rope_deltas = None
     out = hf.generate(**expected, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
     assert result.token_ids == out[0, expected["input_ids"].shape[1]:].tolist()
+
+
+def test_cli_generate_with_image(pair, tmp_path, capsys):
+    """``lockstep generate --chat --image PATH --json`` on a model directory (tokenizer with the template,
+    preprocessor_config.json's pixel bounds): the prompt and tokens of transformers' processor + generate."""
+    import json
+
+    from lockstep.cli_generate import cmd_generate
+
+    hf, _ = pair
+    hf.save_pretrained(tmp_path)
+    tokenizer = _tokenizer()
+    tokenizer.chat_template = VL_TEMPLATE
+    tokenizer.save_pretrained(tmp_path)
+    _hf_processor().save_pretrained(tmp_path)
+    image = PIL.fromarray(_images()[2])
+    image.save(tmp_path / "image.png")
+    assert cmd_generate(["--checkpoint", str(tmp_path), "--allow-unverified-weights", "--chat", "--prompt", "Say.",
+                         "--image", str(tmp_path / "image.png"), "--max-new-tokens", str(NEW_TOKENS),
+                         "--ignore-eos", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Say."}]}]
+    expected = _processor(tokenizer).apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                         return_dict=True, return_tensors="pt")
+    assert result["prompt_ids"] == expected["input_ids"][0].tolist()
+    hf.model.rope_deltas = None
+    out = hf.generate(**expected, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert result["token_ids"] == out[0, expected["input_ids"].shape[1]:].tolist()
+    with pytest.raises(ConfigError, match="--image: needs --chat"):
+        cmd_generate(["--checkpoint", str(tmp_path), "--prompt", "x", "--image", str(tmp_path / "image.png")])
