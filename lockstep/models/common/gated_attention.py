@@ -12,7 +12,9 @@ Differences from :class:`~lockstep.models.common.attention.GroupedQueryAttention
 
 Qwen3.5's mRoPE (``mrope_section``, interleaved) gives every text token the same temporal, height
 and width position, so its cos/sin equal plain RoPE over ``rotary_dim`` (tests check this against
-transformers); image/video positions are not supported.
+transformers); with images the model's rope is
+:class:`lockstep.models.common.mrope.PartialMRopeConfig` (``[3, B, T]`` positions), which this layer
+takes unchanged.
 """
 
 from __future__ import annotations
