@@ -9,6 +9,7 @@ greedy argmaxes are far from ties), five requests of mixed prompt lengths with `
   log-probabilities within 1e-4 (fp32: the sharded sums and all-reduces round in another order,
   measured ~1e-6; a wrong head, expert or KV-cache slice moves them by O(1));
 - every rank returns the same results (rank 0's samples are broadcast; a sampled request included);
+- batch-invariant mode at EP 2 gives one process's log-probabilities bit for bit (qwen3_moe);
 - the parameters are DTensors whose gathered values equal the one-process weights (torch.equal),
   with the placements of the module docstring, and a rank's KV cache holds its KV heads only.
 
@@ -95,6 +96,11 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         model = shard_for_generation(tiny_model(family), **{kind: world})
         results[f"{family}/{kind}"] = _run(GroupEngine(model, None, EngineConfig(**ENGINE)), requests)
         results[f"{family}/{kind}/layout"] = _layout_facts(family, kind, model)
+    # batch-invariant mode under EP: the experts' rows in fixed tiles, the share sums a + b
+    bi = EngineConfig(**ENGINE, batch_invariant=True)
+    if rank == 1:
+        results["bi/reference"] = _run(Engine(tiny_model("qwen3_moe"), None, bi), requests)
+    results["bi"] = _run(GroupEngine(shard_for_generation(tiny_model("qwen3_moe"), ep=world), None, bi), requests)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -131,6 +137,14 @@ def test_every_rank_returns_the_same_results(results, family, kind):
     case = f"{family}/{kind}"
     assert results[0][case] == results[1][case]  # the sampled request too: rank 0's draws are everyone's
     assert len(results[0][case]["sampled"][0]) == 5
+
+
+def test_ep_batch_invariant_logprobs_are_bitwise_one_process(results):
+    """Batch-invariant mode, qwen3_moe (top-2) at ep 2: the log-probabilities equal one process's bit for
+    bit (each expert's rows in fixed tiles; a token's two expert outputs summed as a + b either way)."""
+    reference = _reference(results, "bi")
+    for res in results:
+        assert res["bi"] == reference
 
 
 def test_tp_parameters_are_dtensors_holding_the_one_process_weights(results):
@@ -201,6 +215,12 @@ def test_experts_not_divisible_by_ep():
 def test_refused_engine_options_name_the_field(field, value):
     with pytest.raises(ConfigError, match=rf"engine\.{field}:"):
         check_group_engine_config(EngineConfig(**{field: value}))
+
+
+def test_batch_invariant_refused_under_tp_only():
+    with pytest.raises(ConfigError, match=r"engine\.batch_invariant: .*tensor-parallel"):
+        check_group_engine_config(EngineConfig(batch_invariant=True), tp=2)
+    check_group_engine_config(EngineConfig(batch_invariant=True), tp=1)  # ep: runs (test above)
 
 
 def test_group_engine_needs_a_sharded_model():
