@@ -24,7 +24,8 @@ def check_world(config: RLConfig, world: int) -> None:
     expected = config.world_size
     if world != expected:
         raise ConfigError(f"workers.generators: {config.trainer_world_size} trainer + {config.workers.generators} "
-                          f"generator process(es) make {expected}, but this job has {world} (`lockstep rl` starts "
+                          f"generator(s) of {config.workers.generator_parallel.size} process(es) make {expected}, but "
+                          f"this job has {world} (`lockstep rl` starts "
                           f"the right number; with torchrun use --nproc-per-node {expected})")
 
 
