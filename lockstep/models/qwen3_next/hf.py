@@ -3,7 +3,8 @@
 Model types read: ``qwen3_next`` (``Qwen3NextForCausalLM``), ``qwen3_5_text`` / ``qwen3_5_moe_text``
 (``Qwen3_5[Moe]ForCausalLM``) and the text part of the multimodal ``qwen3_5`` / ``qwen3_5_moe``
 (``text_config``, weights under ``model.language_model.``; ``model.visual.*`` and ``mtp.*`` are
-skipped here: :mod:`lockstep.models.qwen3_5.hf` reads the multimodal checkpoints with their tower). Per block (``model.layers.{i}.``, lockstep ``layers.{i}.``)::
+skipped here: :mod:`lockstep.models.qwen3_5.hf` reads the multimodal checkpoints with their tower).
+Per block (``model.layers.{i}.``, lockstep ``layers.{i}.``)::
 
     input_layernorm / post_attention_layernorm        -> attention_norm / ffn_norm
     self_attn.{q,k,v,o}_proj, q_norm, k_norm           -> attention.{wq,wk,wv,wo}, q_norm, k_norm

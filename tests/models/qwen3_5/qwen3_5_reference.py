@@ -56,6 +56,6 @@ def hf_qwen3_5(moe: bool, seed: int = 0, tie: bool = False):
 
 def image_inputs(grids: list[tuple[int, int, int]], rows: list[list[int]], seed: int = 0, length: int | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, pixel_values [P, PATCH_DIM], grid_thw) of this model's tokens: :func:`image_text_helpers.image_inputs`."""
+    """(tokens, pixel_values [P, PATCH_DIM], grid_thw) of these tokens: :func:`image_text_helpers.image_inputs`."""
     return shared_image_inputs(grids, rows, pixel_shape=(PATCH_DIM,), image=IMAGE, start=START, end=END, merge=MERGE,
                                seed=seed, length=length)
