@@ -68,7 +68,7 @@ def _forward_scores(model, seqs, prompts, images):
 
 
 def test_shape_count_env_is_deterministic_and_rewards_the_count():
-    env = get_environment("shape_count", format_reward=0.1)
+    env = get_environment("shape_count", shaping=0.2)
     task, again = env.reset(7), env.reset(7)
     assert np.array_equal(task.images[0], again.images[0]) and task.answer == again.answer
     assert task.images[0].shape == (64, 64, 3) and task.images[0].dtype == np.uint8
@@ -76,9 +76,14 @@ def test_shape_count_env_is_deterministic_and_rewards_the_count():
     assert counts == {1, 2, 3}
     assert not np.array_equal(env.reset(8).images[0], task.images[0])
     count = task.data["count"]
+    words = ["zero", "one", "two", "three", "four"]
     assert env.step(task, f"I see {count}").reward == 1.0
-    assert env.step(task, f"there are {count + 1}").reward == 0.1
-    assert env.step(task, "no idea").reward == 0.0
+    assert env.step(task, f"There are {words[count]}.").reward == 1.0
+    assert env.step(task, f"{count} or rather {count + 1}").reward < 0.2  # the last number counts
+    near = words[count][:-1]  # "thre": no count, but close to the count's word
+    assert 0 < env.step(task, near).reward < 0.2  # shaping: similarity to the count's word, below any exact answer
+    exact_only = get_environment("shape_count")
+    assert exact_only.step(task, near).reward == 0.0 and exact_only.step(task, f"{count}.0").reward == 1.0
     # the picture holds that many red/green/blue blobs more than the distractors: circles are drawn first,
     # each in its own grid cell, so at least `count` cells are coloured
     coloured = (np.abs(task.images[0].astype(int) - 128).sum(-1) > 0)
@@ -139,3 +144,54 @@ def test_policy_objective_with_images_trains_the_tower():
         assert torch.equal(got, want[:got.numel()])  # the trainer's scores: the same function, same bits
     assert model.visual.merger.linear_fc2.weight.grad.abs().sum() > 0
     assert all(p.grad is not None for p in model.visual.parameters())
+
+
+def test_rollout_sends_the_images_to_the_engine_and_keeps_them():
+    """An image question's episode: the prompt holds the image's placeholder run before the text, the
+    engine sampled with the image (its log-probs == the trainer's scores with the images, bitwise in
+    batch-invariant mode, and != the scores without them), and the episode keeps the pixels."""
+    from lockstep.data.config import DataConfig
+    from lockstep.data.tokenizer import Tokenizer
+    from lockstep.generate import Engine, EngineConfig, SamplingParams
+    from lockstep.recipes.vision import shakespeare_vl_model
+    from lockstep.rl.rollout import Rollout, RolloutConfig
+
+    numerics.set_batch_invariant(True)
+    policy = build_model(shakespeare_vl_model(), seed=0).eval()
+    tokenizer = Tokenizer.from_file(DataConfig().resolved_tokenizer_path())
+    engine = Engine(policy, tokenizer, EngineConfig(cache_memory_mb=16, max_batch_size=4))
+    rollout = Rollout(engine, RolloutConfig(group_size=2, sampling=SamplingParams(max_new_tokens=4)))
+    episodes = rollout.run(get_environment("shape_count"), [3])
+    ids = VisionTokens.of(policy.config)
+    for ep in episodes:
+        pixels, grid = ep.images
+        assert grid.tolist() == [[1, 8, 8]] and pixels.shape == (64, 3 * 2 * 8 * 8)
+        assert ep.token_ids[:18] == [ids.vision_start_token_id] + [ids.image_token_id] * 16 + [ids.vision_end_token_id]
+        assert ep.token_ids.count(ids.image_token_id) == 16
+    seqs, prompts = [ep.token_ids for ep in episodes], [ep.prompt_len for ep in episodes]
+    with torch.no_grad():
+        scored = score_logprobs(policy, seqs, prompts, images=[ep.images for ep in episodes])
+        blind = score_logprobs(policy, seqs, prompts)
+    for ep, s, b in zip(episodes, scored, blind):
+        generated = torch.tensor(ep.logprobs[ep.prompt_len:])
+        assert torch.equal(generated, s)
+        assert not torch.equal(generated, b)  # the engine saw the image
+
+
+def test_rl_qwen3_vl_shapes_recipe_end_to_end(tmp_path):
+    """``lockstep rl --recipe rl-qwen3-vl-shapes`` colocated: every step's groups have reward variance, the
+    policy gradient reaches the vision tower, generator == trainer log-probabilities (batch-invariant)."""
+    from safetensors.torch import load_file
+
+    from lockstep.cli_rl import resolve_rl_config
+    from lockstep.rl.loop import run_rl
+
+    config, _ = resolve_rl_config(["--recipe", "rl-qwen3-vl-shapes", "--run-dir", str(tmp_path / "run"),
+                                   "--workers.generators", "0", "--steps", "2", "--output.no-progress"])
+    result = run_rl(config)
+    assert [r["step"] for r in result.steps] == [1, 2]
+    for r in result.steps:
+        assert r["reward/std"] > 0 and r["grad_norm"] > 0 and r["logprob_diff/max"] == 0.0, r
+    trained = load_file(result.run_dir / "model.safetensors")
+    initial = build_model(config.model, seed=config.seed).state_dict()
+    assert not torch.equal(trained["visual.merger.linear_fc2.weight"], initial["visual.merger.linear_fc2.weight"])

@@ -4,13 +4,18 @@
 ``distractors`` other shapes (squares, triangles), each in its own cell of a 3x3 grid (no overlaps), colours
 and sizes at random: a pure function of ``seed`` (numpy's generator). The task's ``images`` hold the
 picture (uint8 ``[H, W, 3]``); the rollout puts its placeholders before the question. ``step`` reads the
-last number of the reply (:func:`~lockstep.rl.envs.base.extract_answer`, ``last_number``): reward 1.0 when
-it equals the count, ``format_reward`` for another number, 0.0 for no number.
+count from the reply -- its last number (:func:`~lockstep.rl.envs.base.extract_answer`, ``last_number``),
+else its last number word ("one" .. "nine"): reward 1.0 when it equals the count. Any other reply gets
+``shaping`` x the character similarity (difflib ratio) of the reply to the count's word: 0 by default
+(exact answers only); a small value gives a random policy's groups reward variance (a dense signal for
+smoke runs, as ``echo``'s).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
 
 import numpy as np
 
@@ -20,6 +25,8 @@ from lockstep.rl.envs.base import StepResult, Task, extract_answer
 from lockstep.rl.envs.registry import register_environment
 
 QUESTION = "How many circles are in the image? Answer with a number."
+NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+_WORD = re.compile(r"\b(" + "|".join(NUMBER_WORDS) + r")\b", re.IGNORECASE)
 _GRID = 3  # shapes sit in distinct cells of a 3x3 grid
 
 
@@ -54,16 +61,26 @@ class ShapeCountEnv:
                     images=[image], task_id=f"shape_count#{seed}")
 
     def step(self, task: Task, response: str) -> StepResult:
-        answer = extract_answer(response, "last_number")
-        if answer is None:
-            reward = 0.0
+        count, said = task.data["count"], read_count(response)
+        if said == count:
+            reward = 1.0
         else:
-            try:
-                correct = float(answer.replace(",", "")) == task.data["count"]
-            except ValueError:  # a fraction such as "3/4"
-                correct = False
-            reward = 1.0 if correct else self.config.format_reward
-        return StepResult(reward=reward, done=True, info={"answer": answer})
+            reply = response.strip().lower()[:40]
+            reward = self.config.shaping * difflib.SequenceMatcher(None, reply, NUMBER_WORDS[count]).ratio()
+        return StepResult(reward=float(reward), done=True, info={"answer": said})
+
+
+def read_count(text: str) -> int | None:
+    """The count a reply gives: its last number, else its last number word; None when it gives neither."""
+    number = extract_answer(text, "last_number")
+    if number is not None:
+        try:
+            value = float(number.replace(",", ""))
+        except ValueError:  # a fraction such as "3/4"
+            return None
+        return int(value) if value.is_integer() else None
+    words = _WORD.findall(text)
+    return NUMBER_WORDS.index(words[-1].lower()) if words else None
 
 
 @register_environment("shape_count")
@@ -77,8 +94,8 @@ class ShapeCountConfig(Config):
     max_count: int = 3
     #: most other shapes (squares, triangles) beside the circles
     distractors: int = 2
-    #: reward of a reply whose last number is not the count (0: exact answers only)
-    format_reward: float = 0.0
+    #: a wrong reply's reward is this x its character similarity to the count's word (0: exact answers only)
+    shaping: float = 0.0
 
     def validate(self, path: str = "environment") -> None:
         require(isinstance(self.image_size, int) and self.image_size >= 16, f"{path}.image_size",
@@ -90,8 +107,7 @@ class ShapeCountConfig(Config):
         require(self.max_count + self.distractors <= _GRID * _GRID, f"{path}.max_count",
                 f"max_count + distractors must be <= {_GRID * _GRID} (one grid cell each), got "
                 f"{self.max_count} + {self.distractors}")
-        require(0.0 <= self.format_reward <= 1.0, f"{path}.format_reward",
-                f"must be in [0, 1], got {self.format_reward!r}")
+        require(0.0 <= self.shaping < 1.0, f"{path}.shaping", f"must be in [0, 1), got {self.shaping!r}")
 
     def build(self) -> ShapeCountEnv:
         self.validate()
