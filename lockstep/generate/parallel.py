@@ -43,8 +43,9 @@ DTensor redistributions and collectives of every layer: not done), ``weights_dty
 parallel hooks) and ``speculative`` (the MTP draft path is not sharded) are ConfigErrors naming the
 field, and so is batch-invariant mode under TP (its C linear takes plain tensors, not DTensors);
 under EP it runs, bitwise equal to one process in the tested cases. ``pack_weights`` is silently
-off, as under FSDP (:func:`lockstep.generate.packed.packable` refuses DTensor parameters). Refused layouts: tp and ep together, linear-attention (hybrid) models,
-DeepSeek-V3.2's indexer and V4's compressed attention under TP (errors name the field).
+off, as under FSDP (:func:`lockstep.generate.packed.packable` refuses DTensor parameters). Refused
+layouts: tp and ep together, linear-attention (hybrid) models, DeepSeek-V3.2's indexer and V4's
+compressed attention under TP (errors name the field).
 """
 
 from __future__ import annotations

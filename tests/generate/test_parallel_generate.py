@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from lockstep.config.base import ConfigError
 from lockstep.generate import Engine, EngineConfig, Request, SamplingParams
@@ -172,7 +172,7 @@ def test_ep_parameters_shard_the_experts_only(results):
             facts = res[f"{family}/ep/layout"]
             assert facts["equal"]
             assert facts["sharded"] and all(".experts.w" in n for n in facts["sharded"]), facts["sharded"]
-            assert facts["placements"][f"layers.1.feed_forward.experts.w1"] == (Shard(0),)
+            assert facts["placements"]["layers.1.feed_forward.experts.w1"] == (Shard(0),)
             assert facts["placements"]["layers.0.attention_norm.weight"] == ()
         assert res["qwen3_moe/ep/layout"]["heads"] == {"0": 2, "1": 2}  # attention replicated: every KV head
 
