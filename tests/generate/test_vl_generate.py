@@ -42,6 +42,8 @@ MIN_PIXELS, MAX_PIXELS = 64, 2048
 PROCESSOR = dict(patch_size=ref.PATCH, temporal_patch_size=ref.TEMPORAL, merge_size=ref.MERGE,
                  image_mean=[0.5] * 3, image_std=[0.5] * 3)
 NEW_TOKENS = 8
+#: the engine plumbing (batching, errors, chat, CLI) is the same for both text stacks: the dense model only
+DENSE_ONLY = pytest.mark.parametrize("pair", [False], ids=["dense"], indirect=True)
 
 
 def _images() -> list[np.ndarray]:
@@ -129,6 +131,7 @@ def test_greedy_tokens_equal_transformers_generate(pair, hf_tokens, prefill_chun
         assert len(result.prompt_ids) == len(request.prompt_ids) + sum(n) - len(n)
 
 
+@DENSE_ONLY
 def test_text_request_unchanged_beside_image_requests(pair):
     """A text-only request alone and batched with two image requests: the same tokens, and (batch-invariant
     mode: a row's arithmetic does not depend on its batch) bitwise the same logits; so too an image request."""
@@ -150,6 +153,7 @@ def test_text_request_unchanged_beside_image_requests(pair):
         assert all(torch.equal(a, b) for a, b in zip(logits, together[name][1], strict=True)), name
 
 
+@DENSE_ONLY
 def test_preprocessed_pixels_equal_raw_images(pair):
     """A PixelImage (transformers' processor output) gives the same tokens as the raw image."""
     _, model = pair
@@ -161,6 +165,7 @@ def test_preprocessed_pixels_equal_raw_images(pair):
     assert raw.token_ids == given.token_ids and raw.prompt_ids == given.prompt_ids
 
 
+@DENSE_ONLY
 def test_image_request_errors(pair):
     _, model = pair
     engine = _engine(model)
@@ -226,6 +231,7 @@ def _processor(tokenizer):
                               chat_template=VL_TEMPLATE)
 
 
+@DENSE_ONLY
 def test_chat_template_with_images_equals_transformers_processor(pair):
     """Messages with image parts (transformers' ``{"type": "image"}`` and OpenAI's ``image_url``) render the
     processor's text, and the engine's expanded prompt equals the processor's input_ids; then generate."""
@@ -255,6 +261,7 @@ def test_chat_template_with_images_equals_transformers_processor(pair):
     assert result.token_ids == out[0, expected["input_ids"].shape[1]:].tolist()
 
 
+@DENSE_ONLY
 def test_cli_generate_with_image(pair, tmp_path, capsys):
     """``lockstep generate --chat --image PATH --json`` on a model directory (tokenizer with the template,
     preprocessor_config.json's pixel bounds): the prompt and tokens of transformers' processor + generate."""
