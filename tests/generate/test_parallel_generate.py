@@ -4,8 +4,9 @@ Tiny fp32 models (tests/generate/conftest.py ``tiny_model``: weights at std 0.15
 greedy argmaxes are far from ties), five requests of mixed prompt lengths with ``max_batch_size=2``
 (continuous batching: requests join as others finish), greedy. Claims:
 
-- TP 2 (llama3, qwen3 with q/k norms, deepseek_v3 MLA + MoE with shared experts and expert TP,
-  qwen3_moe expert TP) and EP 2 (qwen3_moe, deepseek_v3) give the one-process greedy tokens, and
+- TP 2 (llama3, qwen3 with q/k norms and chunked prefill, deepseek_v3 MLA + MoE with shared experts
+  and expert TP, qwen3_moe expert TP, gpt_oss sinks / sliding window / biases) and EP 2 (qwen3_moe,
+  deepseek_v3, gpt_oss with expert biases) give the one-process greedy tokens, and
   log-probabilities within 1e-4 (fp32: the sharded sums and all-reduces round in another order,
   measured ~1e-6; a wrong head, expert or KV-cache slice moves them by O(1));
 - every rank returns the same results (rank 0's samples are broadcast; a sampled request included);
@@ -44,9 +45,11 @@ from lockstep.models.registry import model_config
 from tests.generate.conftest import prompts, tiny_model
 
 WORLD = 2
-#: (family, layout): the layouts the issue asks for
+#: (family, layout): the layouts the issue asks for, and GPT-OSS (sinks, sliding window, biases, expert biases)
 CASES = [("llama3", "tp"), ("qwen3", "tp"), ("deepseek_v3", "tp"), ("qwen3_moe", "tp"), ("qwen3_moe", "ep"),
-         ("deepseek_v3", "ep")]
+         ("deepseek_v3", "ep"), ("gpt_oss", "tp"), ("gpt_oss", "ep")]
+#: engine options of a case beside ENGINE (the reference runs them too)
+EXTRA = {("qwen3", "tp"): {"prefill_chunk": 4}}  # chunked prefill under TP
 ENGINE = dict(cache_memory_mb=2, block_size=4, max_batch_size=2, pack_weights=False)
 LENGTHS = [3, 9, 5, 12, 7]
 NEW_TOKENS = [6, 4, 8, 5, 6]
@@ -90,11 +93,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     results = {}
     requests = share_requests(_requests() if rank == 0 else None)
     for i, (family, kind) in enumerate(CASES):
+        config = dict(ENGINE, **EXTRA.get((family, kind), {}))
         if i % world == rank:  # one rank computes each one-process reference
-            results[f"{family}/{kind}/reference"] = _run(Engine(tiny_model(family), None, EngineConfig(**ENGINE)),
+            results[f"{family}/{kind}/reference"] = _run(Engine(tiny_model(family), None, EngineConfig(**config)),
                                                          requests)
         model = shard_for_generation(tiny_model(family), **{kind: world})
-        results[f"{family}/{kind}"] = _run(GroupEngine(model, None, EngineConfig(**ENGINE)), requests)
+        results[f"{family}/{kind}"] = _run(GroupEngine(model, None, EngineConfig(**config)), requests)
         results[f"{family}/{kind}/layout"] = _layout_facts(family, kind, model)
     # batch-invariant mode under EP: the experts' rows in fixed tiles, the share sums a + b
     bi = EngineConfig(**ENGINE, batch_invariant=True)
