@@ -59,5 +59,6 @@ def rl_qwen3_vl_shapes() -> RLConfig:
     cfg.model = shakespeare_vl_model()
     cfg.task = TaskConfig(env="shape_count", groups_per_step=2, options={"shaping": 0.2})
     cfg.rollout.sampling.max_new_tokens = 8
+    cfg.engine.image_min_pixels = 64 * 64  # the 64x64 pictures as drawn: 8x8 patches, 16 image tokens
     cfg.numerics = NumericsConfig(batch_invariant=True)
     return cfg

@@ -14,11 +14,11 @@ task seed (a GRPO group) and returns them group-major (episode ``b`` is sample `
    alone is tokenised (no special tokens) and appended with ``loss_mask`` 0 and logprob 0.0.
 
 So ``token_ids == prompt ids + out_0 + reply_0 + out_1 + ... + out_last`` exactly. A task with
-``images`` (an image question for a vision-language policy) has them preprocessed once with the tower's
-patch and merge sizes (:func:`lockstep.data.image_mix.processor_for`); each image's placeholder run
-(``vision_start, image_token * n, vision_end``) goes before the prompt text (after the bos token), every
-request of the episode carries the preprocessed images, and the episode keeps them (``Episode.images``)
-for the trainer's scoring. Stop strings are
+``images`` (an image question for a vision-language policy) has them preprocessed once as the engine
+would (its processor: the tower's patch and merge sizes, ``engine.image_min_pixels`` /
+``image_max_pixels``); each image's placeholder run (``vision_start, image_token * n, vision_end``) goes
+before the prompt text (after the bos token), every request of the episode carries the preprocessed
+images, and the episode keeps them (``Episode.images``) for the trainer's scoring. Stop strings are
 the sampling's ``stop`` plus the task's (e.g. ``</calc>``). Sampling is deterministic: the request
 of (task seed, sample, turn) is seeded from ``RolloutConfig.seed`` and those three numbers only, so
 a rollout does not depend on the batch it is in. An episode that reaches ``max_turns`` without
@@ -264,7 +264,8 @@ class Rollout:
         if self.chat_template is not None:
             raise ConfigError(f"rollout: task {task.task_id!r} has images: image placeholders are placed before a "
                               "plain prompt only, not inside a chat template's messages")
-        processor = processor_for(config)
+        engine_images = getattr(self.engine, "vision", None)  # lockstep's engine: its own preprocessing settings
+        processor = engine_images.processor if engine_images is not None else processor_for(config)
         processed = preprocess_images(task.images, processor)
         ids = VisionTokens.of(config)
         block = expand_markers([ids.marker] * len(task.images), processed.tokens_per_image(processor.merge_size), ids)

@@ -159,7 +159,8 @@ def test_rollout_sends_the_images_to_the_engine_and_keeps_them():
     numerics.set_batch_invariant(True)
     policy = build_model(shakespeare_vl_model(), seed=0).eval()
     tokenizer = Tokenizer.from_file(DataConfig().resolved_tokenizer_path())
-    engine = Engine(policy, tokenizer, EngineConfig(cache_memory_mb=16, max_batch_size=4))
+    engine = Engine(policy, tokenizer, EngineConfig(cache_memory_mb=16, max_batch_size=4,
+                                                          image_min_pixels=64 * 64))
     rollout = Rollout(engine, RolloutConfig(group_size=2, sampling=SamplingParams(max_new_tokens=4)))
     episodes = rollout.run(get_environment("shape_count"), [3])
     ids = VisionTokens.of(policy.config)
