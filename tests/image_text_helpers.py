@@ -3,6 +3,9 @@ image+token inputs and the per-tensor gradient comparison (a helper module, no t
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 
 
@@ -47,3 +50,22 @@ def assert_grads_close(grads: dict[str, torch.Tensor], reference: dict[str, torc
         worst = max(worst, rel)
         assert rel <= rtol, (name, rel)
     return worst
+
+
+def load_pair(hf, directory: Path) -> tuple[Any, Any, Path]:
+    """(transformers model, the lockstep model loaded from its ``save_pretrained`` in ``directory``, that
+    directory): what every parity test module's ``pair`` fixture holds."""
+    from lockstep.models.hf import load_hf
+
+    hf.save_pretrained(directory)
+    return hf, load_hf(directory, dtype=torch.float32, allow_unverified=True).eval(), directory
+
+
+def mrope_hf_logits(hf, tokens: torch.Tensor, image_token_id: int, pixels: torch.Tensor | None = None,
+                    grid: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits of a transformers Qwen3-VL / Qwen3.5 image-text model (mRoPE from ``mm_token_type_ids``)."""
+    kwargs = {}
+    if pixels is not None:
+        kwargs = dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(tokens == image_token_id).int())
+    hf.model.rope_deltas = None  # transformers caches rope deltas between calls
+    return hf(input_ids=tokens, **kwargs).logits

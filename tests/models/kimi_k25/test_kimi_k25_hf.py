@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from image_text_helpers import assert_grads_close  # noqa: E402
+from image_text_helpers import assert_grads_close, load_pair  # noqa: E402
 from kimi_k25_reference import END, hf_kimi_k25, image_inputs  # noqa: E402
 
 from lockstep.config.base import ConfigError  # noqa: E402
@@ -34,11 +34,7 @@ LAYOUTS = {
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
 def pair(request, tmp_path_factory):
     """(transformers model, lockstep model loaded from its save_pretrained directory, that directory)."""
-    hf = hf_kimi_k25(tie=request.param)
-    path = tmp_path_factory.mktemp("hf")
-    hf.save_pretrained(path)
-    model = load_hf(path, dtype=torch.float32, allow_unverified=True).eval()
-    return hf, model, path
+    return load_pair(hf_kimi_k25(tie=request.param), tmp_path_factory.mktemp("hf"))
 
 
 def hf_logits(hf, tokens, pixels=None, grid=None):

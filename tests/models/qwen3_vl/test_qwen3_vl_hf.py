@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from image_text_helpers import assert_grads_close  # noqa: E402
+from image_text_helpers import assert_grads_close, load_pair, mrope_hf_logits  # noqa: E402
 from qwen3_vl_reference import END, IMAGE, MERGE, hf_qwen3_vl, image_inputs  # noqa: E402
 
 from lockstep.config.base import ConfigError  # noqa: E402
@@ -35,19 +35,11 @@ LAYOUTS = {
 @pytest.fixture(scope="module", params=[False, True], ids=["dense", "moe"])
 def pair(request, tmp_path_factory):
     """(transformers model, lockstep model loaded from its save_pretrained directory, that directory)."""
-    hf = hf_qwen3_vl(moe=request.param)
-    path = tmp_path_factory.mktemp("hf")
-    hf.save_pretrained(path)
-    model = load_hf(path, dtype=torch.float32, allow_unverified=True).eval()
-    return hf, model, path
+    return load_pair(hf_qwen3_vl(moe=request.param), tmp_path_factory.mktemp("hf"))
 
 
 def hf_logits(hf, tokens, pixels=None, grid=None):
-    kwargs = {}
-    if pixels is not None:
-        kwargs = dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(tokens == IMAGE).int())
-    hf.model.rope_deltas = None  # transformers caches rope deltas between calls
-    return hf(input_ids=tokens, **kwargs).logits
+    return mrope_hf_logits(hf, tokens, IMAGE, pixels, grid)
 
 
 def test_config_and_layers(pair):
