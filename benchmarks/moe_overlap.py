@@ -11,6 +11,11 @@ the same job). Per row: tokens/s over all ranks, exposed communication per step 
 for ep_chunks 0), the skew wait (``moe/sync_wait_s``: the plan's blocking counts gather, where a rank
 waits for the slowest one -- load skew, kept out of the exposed communication),
 ``moe/hidden_frac`` and the imbalance (max / mean tokens per expert, mean over layers and steps).
+Two columns take the skew out: "exposed, last arriver" sums, over every data exchange of a step,
+the *smallest* wait over the ranks (:func:`record_timeline` gives each wait; the rank that issued its
+part last waited for the transfer alone, not for a peer, so the minimum over ranks is the exposed
+transfer with the ranks' lateness taken out); "CPU s/step" is the process CPU time per step (every
+thread, gloo's included), mean over ranks -- on a shared host wall time mostly measures who got a core.
 
     .venv/bin/python benchmarks/moe_overlap.py [--worlds 2,4] [--flavor tiny] [--batch 2] [--seq 128]
         [--chunks 4] [--steps 3] [--dtype fp32] [--capacity-factor 1.25]
@@ -37,6 +42,7 @@ import torch.nn.functional as F
 
 from lockstep.models.common.transformer import build_model
 from lockstep.models.registry import model_config
+from lockstep.parallel.dist_moe_ops import record_timeline
 from lockstep.parallel.expert import apply_expert_parallel, sync_expert_parallel_grads
 
 ROUTINGS = ("learned", "forced_balanced")
@@ -49,22 +55,26 @@ def _run(args, routing: str, chunks: int, rank: int, capacity_factor: float = 0.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    times, exposed, sync, hidden, imbalance, dropped = [], [], [], [], [], []
+    times, cpu, exposed, last, sync, hidden, imbalance, dropped = [], [], [], [], [], [], [], []
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
         dist.barrier()
-        t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        t0, c0 = time.perf_counter(), time.process_time()
+        with record_timeline() as events, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             logits = model(tokens[:, :-1])
             aux, metrics = model.pop_auxiliary()
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()) + sum(aux.values())
-        loss.backward()
+            loss.backward()
         sync_expert_parallel_grads(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        c1 = time.process_time()
         dist.barrier()
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
+            cpu.append(_mean_over_ranks(c1 - c0))
+            if chunks:
+                last.append(_last_arriver_wait(events))
             m = {k: float(v) for k, v in metrics.items()}
             if "moe/dispatch_wait_s" in m:  # this forward + the previous step's backward
                 exposed.append(m["moe/dispatch_wait_s"] + m["moe/combine_wait_s"])
@@ -74,11 +84,32 @@ def _run(args, routing: str, chunks: int, rank: int, capacity_factor: float = 0.
             per_layer = [m[k] for k in m if k.endswith("/imbalance") and not k.startswith("moe/")]
             if per_layer:  # the Dist-MoE rows (over the ep group)
                 imbalance.append(statistics.mean(per_layer))
-    return {"step_s": statistics.median(times), "exposed_s": statistics.median(exposed) if exposed else None,
+    return {"step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
+            "last_s": statistics.median(last) if last else None,
+            "exposed_s": statistics.median(exposed) if exposed else None,
             "sync_s": statistics.median(sync) if sync else None,
             "hidden_frac": statistics.median(hidden) if hidden else None,
             "imbalance": statistics.mean(imbalance) if imbalance else None,
             "dropped": statistics.mean(dropped) if dropped else None}
+
+
+def _mean_over_ranks(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def _last_arriver_wait(events: list) -> float:
+    """Sum over the step's data exchanges of the smallest wait over the ranks (module docstring).
+    Every rank waits on the same exchanges in the same order."""
+    waits = torch.tensor([t1 - t0 for e, *_, t0, t1 in events if e == "wait"], dtype=torch.float64)
+    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([waits.numel()]))
+    if len({int(c) for c in counts}) != 1:
+        raise RuntimeError(f"ranks waited on different numbers of exchanges: {[int(c) for c in counts]}")
+    every = [torch.empty_like(waits) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, waits)
+    return float(torch.stack(every).min(0).values.sum())
 
 
 def _worker(rank, world, args, init_file, out_file):
@@ -116,9 +147,9 @@ def main() -> None:
     args = p.parse_args()
     print(f"qwen3_moe {args.flavor}, {args.dtype}, per rank {args.batch} x {args.seq} tokens, "
           f"{args.threads} thread(s) per rank, host CPUs {os.cpu_count()}, torch {torch.__version__}")
-    print("| world | routing | ep_chunks | capacity | tokens/s | step s | exposed comm s/step | hidden_frac "
-          "| skew wait s/step | imbalance max/mean | dropped/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| world | routing | ep_chunks | capacity | tokens/s | step s | CPU s/step | exposed comm s/step "
+          "| exposed, last arriver s/step | hidden_frac | skew wait s/step | imbalance max/mean | dropped/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "rows.pt")
@@ -130,8 +161,8 @@ def main() -> None:
             capacity = "no-drop" if factor == 0 else f"factor {factor}"
             cells = [str(world), routing, label, capacity, f"{world * args.batch * args.seq / step:,.0f}",
                      f"{step:.3f}"]
-            for key, fmt in (("exposed_s", "{:.4f}"), ("hidden_frac", "{:.2f}"), ("sync_s", "{:.4f}"),
-                             ("imbalance", "{:.2f}"),
+            for key, fmt in (("cpu_s", "{:.3f}"), ("exposed_s", "{:.4f}"), ("last_s", "{:.4f}"),
+                             ("hidden_frac", "{:.2f}"), ("sync_s", "{:.4f}"), ("imbalance", "{:.2f}"),
                              ("dropped", "{:.0f}")):
                 vals = [r[key] for r in runs if r[key] is not None]
                 cells.append(fmt.format(statistics.median(vals)) if vals else "-")

@@ -10,9 +10,10 @@ MoE layer becomes a :class:`DistMoE`: the router, selection bias and metrics sta
    ``ceil(tokens / N)`` consecutive tokens;
 2. **dispatch** -- per chunk, one uneven ``all_to_all_single`` of exactly the kept rows, sorted by
    destination expert (no padding on the wire);
-3. **experts** -- the owner regroups what it received by local expert, pads each expert's group to
-   a multiple of 16 rows (zero rows that feed no token: a GEMM row's bits on this CPU do not depend
-   on its neighbours from 16 rows on) and runs its experts as one grouped GEMM
+3. **experts** -- the owner regroups what it received by local expert, pads an expert's group of
+   fewer than 16 rows to 16 (zero rows that feed no token: a GEMM row's bits on this CPU do not
+   depend on its neighbours from 16 rows on; bf16 groups to 16-row multiples) and runs its experts
+   as one grouped GEMM
    (``torch._grouped_mm``; SwiGLU or the family's activation);
 4. **combine** -- the results back with the reverse uneven exchange, then each token's kept
    assignments weighted and summed (the MoE module's own order: by expert).
@@ -135,11 +136,11 @@ class DistMoE(MoE):
             raise ConfigError("parallel.ep_chunks: expert tensor parallelism (parallel.tp > 1) is not supported "
                               "by the Dist-MoE operation; use parallel.ep_chunks=0")
         w1, w2, w3 = experts.local_weights()
-        plan = make_plan(indices.detach(), self.ep_chunks, experts.n_experts, experts.group,
-                         self.capacity_factor, self.recorder)
         dtype = flat.dtype
         if torch.is_autocast_enabled(flat.device.type):
             dtype = torch.get_autocast_dtype(flat.device.type)
+        plan = make_plan(indices.detach(), self.ep_chunks, experts.n_experts, experts.group,
+                         self.capacity_factor, self.recorder, dtype)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (expert_in, weights, w1, w2, w3))
         state = CallState(plan, experts.group, self.recorder, experts._act, dtype, needs_grad)
         marker = Dispatch.apply(expert_in, state)

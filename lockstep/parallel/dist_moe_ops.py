@@ -15,13 +15,13 @@ mechanics:
   :func:`record_timeline`, the timeline of collective issue / wait and compute spans.
 
 Bits. The owner computes each local expert's rows of a chunk as one group of
-``torch._grouped_mm`` (a loop of ``mm`` where that is missing or the strides do not suit it), the
-group padded to a multiple of ``ROW_TILE`` rows: from 16 rows on a row's bits depend on neither the
-row count nor its neighbours (measured on this CPU's MKL / oneDNN, fp32 and bf16, 1 and 2 threads),
-so the chunking leaves every row's forward and input gradient unchanged; the weight gradients sum
-each expert's real rows in one ``mm`` in the order (source rank, token), whatever the chunks or the
-capacity. Hence ``ep_chunks`` 1, 2, 4 and every capacity that drops nothing give bitwise-equal
-losses and gradients.
+``torch._grouped_mm`` (a loop of ``mm`` where that is missing or the strides do not suit it), a group
+of fewer than ``ROW_TILE`` rows padded to ``ROW_TILE`` (:mod:`lockstep.parallel.dist_moe_plan`): from
+16 rows on a row's bits depend on neither the row count nor its neighbours (measured on this CPU's
+MKL / oneDNN with one thread per rank, fp32 and bf16), so the chunking leaves every row's forward
+and input gradient unchanged; the weight gradients sum each expert's real rows in one ``mm`` in the
+order (source rank, token), whatever the chunks or the capacity. Hence ``ep_chunks`` 1, 2, 4 and
+every capacity that drops nothing give bitwise-equal losses and gradients.
 """
 
 from __future__ import annotations

@@ -12,17 +12,21 @@ Per chunk c, on every rank:
 * **received layout** -- by source rank, then local expert, then the source's order;
   ``recv_splits[s]`` rows come from rank s;
 * **owner layout** -- the rows the experts compute on: local expert by local expert, each expert's
-  rows in (source rank, position) order followed by zero padding rows up to ``pad_rows(n)`` (a
-  multiple of ``ROW_TILE``, at least ``ROW_TILE``; an expert without rows has none). ``owner_index``
+  rows in (source rank, position) order followed by zero padding rows up to ``pad_rows(n)`` (at
+  least ``ROW_TILE``; in bf16 / fp16 a multiple of it; an expert without rows has none). ``owner_index``
   maps received row i to its owner-layout row; the padding rows are never read back (id -1,
   weight 0: they feed no token).
 
 Why pad at all: this CPU's GEMMs give a row other bits below ~16 rows (GEMV and small-M
-micro-kernels; :mod:`lockstep.ops.batch_invariant`), and from 16 rows on a row's bits do not depend
-on the row count or its neighbours (measured: ``mm``, ``bmm`` and ``torch._grouped_mm`` agree bit for
-bit, fp32 and bf16, 1 and 2 threads). Padding each expert's group to ``ROW_TILE`` multiples keeps
-every row's bits independent of the chunking, at most ``ROW_TILE - 1`` extra rows per (expert,
-chunk) -- instead of sizing every expert's slot to the busiest expert's count.
+micro-kernels; :mod:`lockstep.ops.batch_invariant`), and from 16 rows on, with one thread, a row's
+bits depend on neither the row count nor its neighbours (measured for M = 16..700, fp32 and bf16,
+D x F from 32 x 64 to 512 x 256: ``mm``, ``bmm`` and ``torch._grouped_mm`` agree bit for bit; with 2
+threads bf16 at 512 x 256 splits some row counts, multiples of 16 included, otherwise). So a group
+of fewer than ``ROW_TILE`` rows is padded to ``ROW_TILE``, which keeps every row's bits independent
+of the chunking -- instead of sizing every expert's slot to the busiest expert's count. In bf16 /
+fp16 the groups are padded to ``ROW_TILE`` multiples: oneDNN builds a kernel per new row count
+(~1 ms each; see ``_CPU_ROW_BUCKET`` in :mod:`lockstep.models.common.moe`), so the set of row counts
+is kept small.
 
 Capacity (``capacity_factor``): 0 is **no-drop** (every assignment is kept); ``f > 0`` keeps at most
 ``ceil(f * chunk_tokens * k / E)`` rows per (source rank, expert, chunk), the earliest tokens
@@ -42,9 +46,15 @@ import torch.distributed as dist
 ROW_TILE = 16
 
 
-def pad_rows(n: torch.Tensor) -> torch.Tensor:
-    """Rows the owner computes for ``n`` real rows of an expert: 0, or a multiple of ROW_TILE >= n."""
-    return torch.where(n > 0, (n + ROW_TILE - 1) // ROW_TILE * ROW_TILE, 0)
+def pad_rows(n: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Rows the owner computes for ``n`` real rows of an expert: 0, or at least ROW_TILE and ``n``
+    rounded up to ``multiple``."""
+    return torch.where(n > 0, ((n + multiple - 1) // multiple * multiple).clamp(min=ROW_TILE), 0)
+
+
+def row_multiple(dtype: torch.dtype) -> int:
+    """What the owner rounds each expert's group up to in ``dtype`` (module docstring)."""
+    return ROW_TILE if dtype in (torch.bfloat16, torch.float16) else 1
 
 
 def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -67,6 +77,7 @@ class ChunkPlan:
     group_offsets: torch.Tensor  # int32 [n_local]: end of each local expert's (padded) group
     owner_rows: int  # padded rows the owner computes
     kept_local: torch.Tensor  # [ep, n_local] kept rows from each source to each local expert
+    padded: torch.Tensor  # [n_local] rows the owner computes per local expert
 
     @property
     def n_send(self) -> int:
@@ -112,7 +123,7 @@ class Plan:
         starts, lengths = [], []
         for chunk in self.chunks:
             k = chunk.kept_local  # [ep, nl]
-            group_start = chunk.group_offsets.to(torch.int64) - pad_rows(k.sum(0))
+            group_start = chunk.group_offsets.to(torch.int64) - chunk.padded
             starts.append(chunk_start + group_start.unsqueeze(0) + k.cumsum(0) - k)
             lengths.append(k)
             chunk_start += chunk.owner_rows
@@ -128,21 +139,22 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
         dist.all_gather_into_tensor(out, inp, group=group)
 
 
-def _chunk_plan(kept_c: torch.Tensor, assignment: torch.Tensor, rank: int, ep: int, n_local: int) -> ChunkPlan:
+def _chunk_plan(kept_c: torch.Tensor, assignment: torch.Tensor, rank: int, ep: int, n_local: int,
+                multiple: int) -> ChunkPlan:
     """``kept_c [ep, E]``: kept rows per (source, global expert) in this chunk."""
     per_rank = kept_c.view(ep, ep, n_local)  # [source, destination, local expert]
     k = per_rank[:, rank]  # [ep(source), nl] what I receive
-    padded = pad_rows(k.sum(0))
+    padded = pad_rows(k.sum(0), multiple)
     group_end = padded.cumsum(0)
     recv_base = (group_end - padded).unsqueeze(0) + k.cumsum(0) - k  # owner row of (source, expert)'s first
     return ChunkPlan(assignment, per_rank[rank].sum(1).tolist(), k.sum(1).tolist(), _segments(recv_base, k),
-                     group_end.to(torch.int32), int(padded.sum()), k)
+                     group_end.to(torch.int32), int(padded.sum()), k, padded)
 
 
 def make_plan(indices: torch.Tensor, n_chunks: int, n_local: int, group, capacity_factor: float,
-              recorder) -> Plan:
-    """The layout of ``indices [N, k]`` (global expert ids); ``recorder.blocking`` gets the time of
-    the blocking counts gather (module docstring)."""
+              recorder, dtype: torch.dtype = torch.float32) -> Plan:
+    """The layout of ``indices [N, k]`` (global expert ids) for experts computing in ``dtype``;
+    ``recorder.blocking`` gets the time of the blocking counts gather (module docstring)."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     n_tokens, k = indices.shape
     n_experts = ep * n_local
@@ -173,5 +185,5 @@ def make_plan(indices: torch.Tensor, n_chunks: int, n_local: int, group, capacit
         n_c = counts[rank, c]
         pos = torch.arange(e.numel()) - (n_c.cumsum(0) - n_c)[e_sorted]
         chunks.append(_chunk_plan(kept[:, c], (order + lo)[pos < capacity] if capacity_factor > 0 else order + lo,
-                                  rank, ep, n_local))
+                                  rank, ep, n_local, row_multiple(dtype)))
     return Plan(n_tokens, k, C, S, ep, n_local, rank * n_local, capacity, counts, kept, chunks)

@@ -5,11 +5,12 @@ results. Each rank trains on its own 2 x 16 tokens; qwen3_moe and deepseek_v3 de
 experts, top-2; deepseek_v3 with a shared expert and sigmoid routing), fp32 and bf16 autocast.
 
 Bitwise claims (``torch.equal``): ep_chunks 2 and 4 vs 1 (losses of 2 AdamW steps, every gradient
-of step 0, every rank), and a no-drop capacity vs a capacity factor large enough that nothing drops
-(bigger padded buffers), no-drop vs the synchronous uneven exchange (ep_chunks=0, fp32; measured
-equal, see its test), and ep_chunks=4 with and without full activation checkpointing. Drops: a
-known small example and the same input twice give the same drop set. A recorded timeline shows the
-overlap's order; a short ``lockstep train`` run shows the metrics and manifest entry.
+of step 0, every rank), no-drop vs a capacity factor large enough that nothing drops, no-drop vs the
+synchronous uneven exchange (ep_chunks=0, fp32; measured equal, see its test), and ep_chunks=4 with
+and without full activation checkpointing. Drops: a known small example and the same input twice
+give the same drop set. A plan's layout: only real rows on the wire, split sizes agreeing between
+ranks, owner groups padded only up to 16 rows. A recorded timeline shows the overlap's order; a
+short ``lockstep train`` run shows the metrics and manifest entry.
 """
 
 import datetime
@@ -99,6 +100,16 @@ def _known_drops(rank, world):
     return {"capacity": plan.capacity, "dropped": plan.dropped, "mine": plan.dropped_assignments().tolist()}
 
 
+def _layout(rank, world):
+    """A no-drop plan of 40 tokens, top-2, 2 experts per rank, 2 chunks (routing seeded per rank)."""
+    g = torch.Generator().manual_seed(7 + rank)
+    ids = torch.stack([torch.randperm(2 * world, generator=g)[:2] for _ in range(40)])
+    plan = make_plan(ids, 2, 2, dist.group.WORLD, 0.0, Recorder(0))
+    return {"counts": plan.counts, "send": [c.send_splits for c in plan.chunks],
+            "recv": [c.recv_splits for c in plan.chunks], "sent": [c.assignment for c in plan.chunks],
+            "owner": [(c.owner_index, c.owner_rows, c.group_offsets, c.kept_local) for c in plan.chunks]}
+
+
 def _worker(rank, world, init_file, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -124,6 +135,7 @@ def _worker(rank, world, init_file, out_dir):
     res["drop_repeat"] = _same(*drops)
     res["drop_metrics"] = drops[0]["metrics"]
     res["known_drops"] = _known_drops(rank, world)
+    res["layout"] = _layout(rank, world)
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -151,8 +163,7 @@ def test_overlap_is_bitwise_equal_to_no_overlap(results):
 
 
 def test_no_drop_capacity_equals_bigger_capacity_bitwise(results):
-    """No-drop (capacity = the largest count) vs a capacity factor of 8 x world (nothing dropped, bigger
-    padded buffers): bitwise equal."""
+    """No-drop vs a capacity factor of 8 x world (a capacity nothing reaches): bitwise equal."""
     _, ranks = results
     for res in ranks:
         assert all(res["capacity"].values()) and len(res["capacity"]) == len(FAMILIES), res["capacity"]
@@ -189,6 +200,31 @@ def test_drops_are_deterministic_and_counted(results):
         # to expert 0: with one slot per (source, expert) the first token of each keeps it
         assert known["mine"] == ([1, 3] if rank == 0 else [1, 2]), known
         assert known["dropped"] == 2 * world
+
+
+def test_exchanges_carry_only_real_rows(results):
+    """No-drop plan: every assignment is sent exactly once, sorted by expert; what rank r sends to d
+    is what d expects from r; the owner pads an expert's group only up to 16 rows (ROW_TILE, fp32)
+    and every received row lands in its expert's group, in (source, position) order."""
+    world, ranks = results
+    for r, res in enumerate(ranks):
+        lay = res["layout"]
+        sent = torch.cat(lay["sent"])
+        assert torch.equal(sent.sort().values, torch.arange(80))  # 40 tokens x top-2, each once
+        for c in range(2):
+            for d in range(world):
+                assert lay["send"][c][d] == ranks[d]["layout"]["recv"][c][r]
+            owner_index, owner_rows, offsets, kept = lay["owner"][c]
+            n = kept.sum(0)
+            assert sum(lay["recv"][c]) == owner_index.numel() == int(n.sum())
+            groups = offsets.diff(prepend=torch.zeros(1, dtype=offsets.dtype))
+            assert torch.equal(groups.long(), torch.where(n > 0, n.clamp(min=16), 0)) and int(offsets[-1]) == owner_rows
+            # received layout (source, expert, position) -> owner rows: each expert's rows contiguous
+            expert_of = torch.repeat_interleave(torch.arange(2).repeat(world), kept.flatten())
+            starts = offsets.long() - groups.long()
+            for e in range(2):
+                rows = owner_index[expert_of == e]
+                assert torch.equal(rows, torch.arange(int(starts[e]), int(starts[e]) + int(n[e])))
 
 
 def test_no_drop_metrics(results):
