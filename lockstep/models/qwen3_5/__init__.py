@@ -10,7 +10,6 @@ interleaved mRoPE in the full-attention blocks; :mod:`.hf` reads and writes the 
 
 from __future__ import annotations
 
-from lockstep.models.common.mrope import PartialMRopeConfig
 from lockstep.models.common.vision import VisionConfig
 from lockstep.models.qwen3_5.config import QWEN35_TOKENS, Qwen3_5VLConfig, qwen3_5_vl_config, with_vision
 from lockstep.models.qwen3_5.hf import ADAPTER
@@ -68,13 +67,9 @@ for _name in _VL:
 # the real models' tower (transformers' Qwen3_5VisionConfig defaults: 27 blocks of 1152, 2304 positions)
 _REAL_VISION = dict(depth=27, dim=1152, ffn_dim=4304, n_heads=16, deepstack_layers=[])
 for _name in ("9B", "35B-A3B"):
-    FLAVORS[f"{_name}-vl"] = (lambda n: lambda: _with_real_vision(FLAVORS[n](), f"{n}-vl"))(_name)
-
-
-def _with_real_vision(text: Qwen3NextTransformerConfig, flavor: str) -> Qwen3_5VLConfig:
-    rope = PartialMRopeConfig(theta=text.rope.theta, partial_rotary_factor=text.rope.partial_rotary_factor,
-                              mrope_section=[11, 11, 10])
-    return with_vision(text, flavor=flavor, vision=VisionConfig(**_REAL_VISION), rope=rope, **QWEN35_TOKENS)
+    FLAVORS[f"{_name}-vl"] = (lambda n: lambda: with_vision(
+        FLAVORS[n](), flavor=f"{n}-vl", vision=VisionConfig(**_REAL_VISION), mrope_section=[11, 11, 10],
+        **QWEN35_TOKENS))(_name)
 
 
 SPEC = register_model(

@@ -57,14 +57,16 @@ class Qwen3_5VLConfig(Qwen3NextTransformerConfig):
 def qwen3_5_vl_config(flavor: str, *, vision: VisionConfig, mrope_section: list[int], tokens: dict[str, int],
                       **text) -> Qwen3_5VLConfig:
     """A Qwen3.5 image-text config: ``text`` as :func:`hybrid_config` takes it (family qwen3_5, split
-    projections), the rope made mRoPE with ``mrope_section``."""
+    projections), plus the tower, mRoPE sections and special tokens."""
     base = hybrid_config("qwen3_5", flavor, projection="split", **text)
-    rope = PartialMRopeConfig(theta=base.rope.theta, partial_rotary_factor=base.rope.partial_rotary_factor,
+    return with_vision(base, vision=vision, mrope_section=mrope_section, **tokens)
+
+
+def with_vision(text: Qwen3NextTransformerConfig, *, vision: VisionConfig, mrope_section: list[int],
+                **fields) -> Qwen3_5VLConfig:
+    """``text``'s decoder made image-text: its partial RoPE becomes mRoPE with ``mrope_section`` (same
+    theta and rotated fraction), ``vision`` the tower, ``fields`` the rest (token ids, flavor)."""
+    rope = PartialMRopeConfig(theta=text.rope.theta, partial_rotary_factor=text.rope.partial_rotary_factor,
                               mrope_section=list(mrope_section))
-    return with_vision(base, vision=vision, rope=rope, **tokens)
-
-
-def with_vision(text: Qwen3NextTransformerConfig, **fields) -> Qwen3_5VLConfig:
-    """``text``'s decoder with the image-text fields added (``vision``, ``rope``, token ids)."""
     values = {f.name: getattr(text, f.name) for f in dataclasses.fields(text) if f.init}
-    return Qwen3_5VLConfig(**{**values, "hf_multimodal": True, **fields})
+    return Qwen3_5VLConfig(**{**values, "hf_multimodal": True, "rope": rope, "vision": vision, **fields})

@@ -45,11 +45,9 @@ class Qwen3_5Adapter(HybridHFAdapter):
             raise ConfigError(f"config.json vision_config.out_hidden_size={out_dim} must equal text_config.hidden_size="
                               f"{text.dim}")
         params = hf_config["text_config"].get("rope_parameters") or {}
-        sections = params.get("mrope_section", [11, 11, 10])
-        rope = PartialMRopeConfig(theta=text.rope.theta, partial_rotary_factor=text.rope.partial_rotary_factor,
-                                  mrope_section=list(sections))
         tokens = {name: hf_config.get(name, default) for name, default in QWEN35_TOKENS.items()}
-        return with_vision(text, vision=vision_from_hf(vision, deepstack=False), rope=rope, **tokens)
+        return with_vision(text, vision=vision_from_hf(vision, deepstack=False),
+                           mrope_section=params.get("mrope_section", [11, 11, 10]), **tokens)
 
     def config_to_hf(self, config: Qwen3NextTransformerConfig) -> dict[str, Any]:
         out = super().config_to_hf(config)
