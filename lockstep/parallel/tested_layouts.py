@@ -144,8 +144,9 @@ PARAMS_CHECKED |= {"dp_shard=2 qwen3_5", "dp_shard=2 qwen3_next", "dp_shard=2 gp
 
 # Qwen3-VL on image+text rows (#24): the vision tower is part of the root FSDP unit (sharded with the
 # embeddings and head); every row holds the same number of scored tokens, so dp ranks' means are one mean
-TESTED_LAYOUTS += [("dp_shard=2 qwen3_vl (vision tower, images)", "debug-qwen3-vl", 2, {"dp_shard": 2}, [])]
-PARAMS_CHECKED |= {"dp_shard=2 qwen3_vl (vision tower, images)"}
+TESTED_LAYOUTS += [("dp_shard=2 qwen3_vl (vision tower, images)", "debug-qwen3-vl", 2, {"dp_shard": 2}, []),
+                   ("ep=2 x dp_shard=2 qwen3_vl moe (images)", "debug-qwen3-vl-moe", 2, {"dp_shard": 2, "ep": 2}, [])]
+PARAMS_CHECKED |= {"dp_shard=2 qwen3_vl (vision tower, images)", "ep=2 x dp_shard=2 qwen3_vl moe (images)"}
 
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")
 

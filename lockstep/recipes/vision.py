@@ -4,7 +4,8 @@ image question (``lockstep rl``).
 - ``debug-qwen3-vl``: the ``qwen3_vl`` debug flavor (2-block ViT with DeepStack, 3-layer decoder with
   mRoPE) on rows that each hold a generated shape image with its caption and a Shakespeare window
   (``data.images.source = "shapes"``, :mod:`lockstep.data.image_mix`). The model's vocabulary is the
-  Shakespeare tokenizer's 4096 ids plus the image token ids above them.
+  Shakespeare tokenizer's 4096 ids plus the image token ids above them. ``debug-qwen3-vl-moe``: the same
+  with the MoE text model (``debug-moe``: 8 experts, top-2).
 - ``rl-qwen3-vl-shapes``: GRPO of that model (random init) on ``shape_count`` -- "How many circles are in
   the image?" over pictures drawn per task seed -- with the exact answer rewarded 1.0 and another reply
   0.2 x its similarity to the count's word (``shaping``: a random policy's groups get reward variance, so
@@ -49,6 +50,15 @@ def debug_qwen3_vl() -> TrainerConfig:
     cfg.data = DataConfig(images=ImageMixConfig(source="shapes"))
     cfg.training.seq_len = 64
     cfg.output.parity_check = False
+    return cfg
+
+
+
+@recipe("debug-qwen3-vl-moe", "debug-qwen3-vl with the MoE text model (qwen3_vl debug-moe: 8 experts, top-2), "
+        "for tests")
+def debug_qwen3_vl_moe() -> TrainerConfig:
+    cfg = debug_qwen3_vl()
+    cfg.model = shakespeare_vl_model("debug-moe")
     return cfg
 
 
