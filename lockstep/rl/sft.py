@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep.config.base import ConfigError
 from lockstep.models.common.moe import apply_routing_updates
 from lockstep.parallel.grad import clip_grad_norm
 from lockstep.rl.config import RLConfig
@@ -27,6 +28,9 @@ from lockstep.rl.rollout import Rollout, encode_text, prompt_ids
 def sft_example(task: Any, template: str, tokenizer: Any, chat_template: Any, add_bos: bool,
                 eos_id: int | None) -> tuple[list[int], int]:
     """(prompt + target token ids, prompt length) of one task."""
+    if getattr(task, "images", None):
+        raise ConfigError(f"sft.steps: the SFT warm-up trains on text prompts only, and task {task.task_id!r} has "
+                          "images; set sft.steps=0 for an image environment")
     prompt = prompt_ids(task, tokenizer, chat_template, add_bos)
     target = encode_text(tokenizer, template.format(answer=task.answer))
     if eos_id is not None:

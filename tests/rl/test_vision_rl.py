@@ -4,8 +4,6 @@ rollout prompts with image placeholders, and the ``rl-qwen3-vl-shapes`` recipe e
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -91,6 +89,10 @@ def test_shape_count_env_is_deterministic_and_rewards_the_count():
     assert len(cells) >= count
     with pytest.raises(ConfigError, match=r"^environment\[shape_count\]\.max_count"):
         get_environment("shape_count", max_count=8, distractors=2)
+    from lockstep.rl.sft import sft_example
+
+    with pytest.raises(ConfigError, match=r"^sft\.steps: the SFT warm-up trains on text prompts only"):
+        sft_example(task, " {answer}", None, None, False, None)
 
 
 def test_score_logprobs_with_images_equals_the_model_forward(model):
