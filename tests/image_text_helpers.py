@@ -69,3 +69,18 @@ def mrope_hf_logits(hf, tokens: torch.Tensor, image_token_id: int, pixels: torch
         kwargs = dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(tokens == image_token_id).int())
     hf.model.rope_deltas = None  # transformers caches rope deltas between calls
     return hf(input_ids=tokens, **kwargs).logits
+
+
+def assert_first_row_batch_invariant(directory: Path, tokens: torch.Tensor, pixels: torch.Tensor,
+                                     grid: torch.Tensor) -> None:
+    """In batch-invariant mode the first row's logits (its images: the first of ``grid``) alone and in the
+    batch are bitwise equal. The tower's frames attend alone, so its kernel needs no causal-only refusal."""
+    from lockstep import numerics
+    from lockstep.models.hf import load_hf
+
+    model = numerics.prepare_model(load_hf(directory, dtype=torch.float32, allow_unverified=True).eval())
+    first = int(grid[0].prod())
+    with torch.no_grad(), numerics.batch_invariant():
+        batch = model(tokens, pixel_values=pixels, grid_thw=grid)
+        alone = model(tokens[:1], pixel_values=pixels[:first], grid_thw=grid[:1])
+    assert torch.equal(batch[:1], alone)

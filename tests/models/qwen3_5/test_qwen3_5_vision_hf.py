@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from image_text_helpers import assert_grads_close, load_pair, mrope_hf_logits  # noqa: E402
+from image_text_helpers import (assert_first_row_batch_invariant, assert_grads_close, load_pair,  # noqa: E402
+                                mrope_hf_logits)
 from qwen3_5_reference import END, IMAGE, MERGE, hf_qwen3_5, image_inputs  # noqa: E402
 
 from lockstep.config.base import ConfigError  # noqa: E402
@@ -215,3 +216,8 @@ def test_multimodal_processor_is_qwen3_vl_s():
     assert processing_auto.PROCESSOR_MAPPING_NAMES["qwen3_5"] == processing_auto.PROCESSOR_MAPPING_NAMES["qwen3_vl"]
     images = image_processing_auto.IMAGE_PROCESSOR_MAPPING_NAMES
     assert images["qwen3_5"] == images["qwen3_5_moe"] == images["qwen3_vl"]
+
+
+def test_batch_invariant_mode_with_images(pair):
+    tokens, pixels, grid = image_inputs(*LAYOUTS["one_per_row"], seed=12)
+    assert_first_row_batch_invariant(pair[2], tokens, pixels, grid)

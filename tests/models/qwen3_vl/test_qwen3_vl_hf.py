@@ -9,7 +9,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from image_text_helpers import assert_grads_close, load_pair, mrope_hf_logits  # noqa: E402
+from image_text_helpers import (assert_first_row_batch_invariant, assert_grads_close, load_pair,  # noqa: E402
+                                mrope_hf_logits)
 from qwen3_vl_reference import END, IMAGE, MERGE, hf_qwen3_vl, image_inputs  # noqa: E402
 
 from lockstep.config.base import ConfigError  # noqa: E402
@@ -223,13 +224,5 @@ def test_real_shape_flavors_match_transformers_parameter_counts(flavor):
 
 
 def test_batch_invariant_mode_with_images(pair):
-    from lockstep import numerics
-
-    _, _, path = pair
-    model = numerics.prepare_model(load_hf(path, dtype=torch.float32, allow_unverified=True).eval())
     tokens, pixels, grid = image_inputs(*LAYOUTS["one_per_row"], seed=12)
-    first = int(grid[0].prod())
-    with torch.no_grad(), numerics.batch_invariant():  # the tower's frames attend alone: no causal-only refusal
-        batch = model(tokens, pixel_values=pixels, grid_thw=grid)
-        alone = model(tokens[:1], pixel_values=pixels[:first], grid_thw=grid[:1])
-    assert torch.equal(batch[:1], alone)  # a row's logits do not depend on the rest of the batch
+    assert_first_row_batch_invariant(pair[2], tokens, pixels, grid)
