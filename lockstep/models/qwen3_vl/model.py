@@ -6,6 +6,9 @@ image placeholders per image (``config.image_token_id``, images in order over th
 encodes ``pixel_values`` (:mod:`lockstep.data.images`), and the decoder takes the merged embeddings,
 the DeepStack features and the ``[3, B, T]`` mRoPE positions from outside through
 ``Transformer.trunk(visual=...)``: the block code is the text model's own.
+
+The class is generic over the decoder: Qwen3.5's image-text config (:mod:`lockstep.models.qwen3_5.config`,
+the Gated DeltaNet hybrid, no DeepStack) builds it too.
 """
 
 from __future__ import annotations
