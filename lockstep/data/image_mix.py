@@ -192,10 +192,14 @@ def image_mix_loaders(config: ImageMixConfig, tokenizer: Any, model_config: Any,
     return loaders[0], loaders[1]
 
 
-def check_image_training(images: ImageMixConfig, parallel: Any, mode: str) -> None:
-    """Refuse the layouts image batches do not run on (before any work), naming the field."""
+def check_image_training(data: Any, model: Any, parallel: Any, mode: str) -> None:
+    """Refuse, before any work and naming the field, what image batches do not run with: a model without
+    a vision tower, a trained tokenizer's ids reaching the image ids, tp/cp/pp, graph mode."""
+    images = data.images
     if not images.enabled:
         return
+    # the tokenizer this config trains has data.vocab_size ids (a given tokenizer file is checked at build)
+    vision_tokens(model, 0 if data.tokenizer_path else data.vocab_size)
     for name in ("tp", "cp", "pp"):
         require(getattr(parallel, name) == 1, f"parallel.{name}",
                 f"image+text batches (data.images.source={images.source!r}) train with data parallelism (dp_shard, "

@@ -207,7 +207,7 @@ class TrainerConfig(RunConfig):
         self.low_precision.check_run(batch_invariant=self.numerics.batch_invariant, mode=self.training.mode,
                                      tp=self.parallel.tp, ep=self.parallel.ep)
         refuse_batch_invariant(self.model, self.numerics.batch_invariant)
-        check_image_training(self.data.images, self.parallel, self.training.mode)
+        check_image_training(self.data, self.model, self.parallel, self.training.mode)
         if self.numerics.batch_invariant:
             require(self.parallel.tp == 1 and self.parallel.cp == 1 and self.parallel.pp == 1,
                     "numerics.batch_invariant", "is supported without tensor, context or pipeline parallelism "

@@ -74,6 +74,12 @@ def test_image_batches_refuse_other_layouts_and_text_models():
         graph.validate()
     from lockstep.models.registry import model_config
 
+    text_model = dataclasses.replace(cfg, model=model_config("qwen3", "debug"))
+    with pytest.raises(ConfigError, match=r"^data\.images\.source: image samples need a vision-language model"):
+        text_model.validate()
+    clash = dataclasses.replace(cfg, model=model_config("qwen3_vl", "debug"))  # image ids inside the 4096 BPE ids
+    with pytest.raises(ConfigError, match=r"^data\.images\.source: the tokenizer's ids \[0, 4096\) overlap"):
+        clash.validate()
     with pytest.raises(ConfigError, match=r"^data\.images\.source: image samples need a vision-language model"):
         vision_tokens(model_config("llama3", "debug"), 4096)
     with pytest.raises(ConfigError, match=r"^data\.images\.source: the tokenizer's ids \[0, 4096\) overlap"):
