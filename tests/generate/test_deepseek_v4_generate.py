@@ -22,8 +22,8 @@ from .conftest import engine_for, full_forward_logits, record_logits
 pytest.importorskip("transformers")
 
 #: prompt lengths and new-token budgets: the longest run reaches position 40, past 5 HCA and 10 CSA
-#: windows (a prompt of one token crosses every boundary while decoding)
-LENGTHS = [1, 6, 13, 22, 31]
+#: windows (a prompt of one token crosses every boundary while decoding; 16 closes both kinds at its last token)
+LENGTHS = [1, 6, 16, 22, 31]
 NEW = [10, 6, 9, 4, 10]
 #: fp32 logits of size ~15: the cached steps sum in another order than the whole-sequence forward
 #: (measured max difference 7e-6); a cache bug (a wrong key, entry or window) moves them by O(1)
