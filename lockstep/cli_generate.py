@@ -1,6 +1,7 @@
 """``lockstep generate`` and ``lockstep chat``: the generation engine from the command line.
 
     lockstep generate --checkpoint DIR --prompt TEXT [--chat [--image PATH ...]] [sampling flags] [--json]
+                      [--tp N | --ep N]
     lockstep chat --checkpoint DIR [sampling flags]
 
 DIR is a Hugging Face model directory, a lockstep model directory, a training run directory, a
@@ -10,6 +11,10 @@ log-probabilities, text and finish reason instead). ``chat`` reads one user turn
 renders the whole conversation with the model's chat template, streams the reply and keeps it in
 the history; it ends at EOF or ``/exit`` (``/reset`` clears the history). Every flag is checked
 before the model is loaded; a bad one is a ``ConfigError`` naming the flag.
+
+``generate --tp N`` (or ``--ep N`` for a MoE model) runs the engine tensor- (expert-) parallel over N
+processes (:mod:`lockstep.generate.parallel`): it relaunches itself under torchrun; every rank loads
+the model and takes its shard, and group rank 0 prints.
 """
 
 from __future__ import annotations
@@ -44,6 +49,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         parser.add_argument("--chat", action="store_true",
                             help="send the prompt as a user turn through the model's chat template")
         parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+        parser.add_argument("--tp", type=int, default=1, metavar="N",
+                            help="tensor-parallel generation over N processes (torchrun; lockstep.generate.parallel)")
+        parser.add_argument("--ep", type=int, default=1, metavar="N",
+                            help="expert-parallel generation over N processes (MoE models; torchrun)")
         parser.add_argument("--image", action="append", default=[], metavar="PATH",
                             help="an image file for a vision-language model (repeatable; with --chat: the images "
                                  "go before the prompt in the user turn)")
@@ -89,6 +98,8 @@ def _parse(prog: str, argv: list[str]) -> argparse.Namespace:
             raise ConfigError("--image: needs --chat (the chat template places the images in the prompt)")
         if not Path(image).expanduser().is_file():
             raise ConfigError(f"--image {image}: no such file")
+    if prog == "generate":
+        _check_group_flags(args)
     if args.step is not None and args.step < 0:
         raise ConfigError(f"--step: must be >= 0, got {args.step}")
     if args.cache_mb <= 0:
@@ -100,6 +111,33 @@ def _parse(prog: str, argv: list[str]) -> argparse.Namespace:
         _template_from_file(Path(args.chat_template))  # a missing file or a syntax error shows now
     _sampling(args, [])  # validate the sampling flags now, before any loading
     return args
+
+
+def _check_group_flags(args: argparse.Namespace) -> None:
+    """--tp / --ep: integers >= 1, one of them, lockstep's engine, no images."""
+    for flag in ("tp", "ep"):
+        if getattr(args, flag) < 1:
+            raise ConfigError(f"--{flag}: must be >= 1, got {getattr(args, flag)}")
+    if args.tp > 1 and args.ep > 1:
+        raise ConfigError("--tp/--ep: give one of them (tensor and expert parallel together are not supported)")
+    if args.tp * args.ep > 1 and args.engine != "lockstep":
+        raise ConfigError(f"--tp/--ep: run lockstep's engine (--engine lockstep), not {args.engine}")
+    if args.tp * args.ep > 1 and args.image:
+        raise ConfigError("--image: not with --tp/--ep")
+
+
+def _group_engine(source: Any, args: argparse.Namespace) -> Any:
+    """This rank's :class:`~lockstep.generate.parallel.GroupEngine` over the torchrun world; layout
+    errors name the flags."""
+    from lockstep.generate import EngineConfig
+    from lockstep.generate.parallel import GroupEngine, shard_for_generation
+
+    try:
+        shard_for_generation(source.model, tp=args.tp, ep=args.ep, field="generator_parallel")
+    except ConfigError as err:
+        message = str(err).replace("generator_parallel.tp", "--tp").replace("generator_parallel.ep", "--ep")
+        raise ConfigError(message.replace("generator_parallel", "--tp/--ep")) from None
+    return GroupEngine(source.model, source.tokenizer, EngineConfig(cache_memory_mb=args.cache_mb, max_batch_size=1))
 
 
 _FIELD = re.compile(r"^sampling\.(\w+)")
@@ -191,6 +229,29 @@ def _stream(engine: Any, prompt_ids: list[int], sampling: Any, out: TextIO, imag
 def cmd_generate(argv: list[str]) -> int:
     """``lockstep generate ...``: one completion to stdout."""
     args = _parse("generate", argv)
+    if args.tp * args.ep == 1:
+        return _generate(args)
+    import contextlib
+    import io
+
+    from lockstep.parallel.launch import finish, init_distributed, relaunch_with_torchrun, world_size_from_env
+
+    if world_size_from_env() == 1:
+        return relaunch_with_torchrun(args.tp * args.ep, ["generate", *argv])
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()  # started here by torchrun (a test may hand one in)
+    rank, world, _ = init_distributed(args.device)
+    if world != args.tp * args.ep:
+        raise ConfigError(f"--tp/--ep: {args.tp * args.ep} processes, but the torchrun world has {world}")
+    with contextlib.redirect_stdout(sys.stdout if rank == 0 else io.StringIO()):  # group rank 0 prints
+        code = _generate(args)
+    if owned:
+        finish(code)
+    return code
+
+
+def _generate(args: argparse.Namespace) -> int:
     source = _load(args, need_template=args.chat)
     sampling = _sampling(args, source.stop_token_ids)
     tok = source.tokenizer
@@ -207,7 +268,7 @@ def cmd_generate(argv: list[str]) -> int:
         prompt_ids = tok.encode(args.prompt)
     if not prompt_ids:
         raise ConfigError("--prompt: encodes to no tokens")
-    engine = _engine(source, args)
+    engine = _group_engine(source, args) if args.tp * args.ep > 1 else _engine(source, args)
     try:
         if args.json:
             from lockstep.generate import Request

@@ -10,6 +10,7 @@ greedy argmaxes are far from ties), five requests of mixed prompt lengths with `
   log-probabilities within 1e-4 (fp32: the sharded sums and all-reduces round in another order,
   measured ~1e-6; a wrong head, expert or KV-cache slice moves them by O(1));
 - every rank returns the same results (rank 0's samples are broadcast; a sampled request included);
+- ``lockstep generate --tp 2`` (the torchrun worker path) prints the one-process completion, once;
 - batch-invariant mode at EP 2 gives one process's log-probabilities bit for bit (qwen3_moe);
 - the parameters are DTensors whose gathered values equal the one-process weights (torch.equal),
   with the placements of the module docstring, and a rank's KV cache holds its KV heads only.
@@ -19,8 +20,12 @@ ranks (alternating), the sharded engines on both. Layout errors and refused engi
 checked without processes (they need no group).
 """
 
+import contextlib
 import datetime
+import io
+import json
 import os
+import re
 import sys
 
 import pytest
@@ -43,6 +48,7 @@ from lockstep.generate.parallel import (
 from lockstep.models.common.transformer import build_meta_model
 from lockstep.models.registry import model_config
 from tests.generate.conftest import prompts, tiny_model
+from tests.test_cli_generate import make_model_dir
 
 WORLD = 2
 #: (family, layout): the layouts the issue asks for, and GPT-OSS (sinks, sliding window, biases, expert biases)
@@ -86,6 +92,15 @@ def _layout_facts(family: str, kind: str, model) -> dict:
     return {"equal": equal, "sharded": sharded, "placements": placements, "heads": heads}
 
 
+def _cli_json(*argv: str) -> str:
+    from lockstep.cli_generate import cmd_generate
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cmd_generate(["--prompt", "To be, or not", "--max-new-tokens", "6", "--json", *argv]) == 0
+    return out.getvalue()
+
+
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
@@ -105,6 +120,12 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     if rank == 1:
         results["bi/reference"] = _run(Engine(tiny_model("qwen3_moe"), None, bi), requests)
     results["bi"] = _run(GroupEngine(shard_for_generation(tiny_model("qwen3_moe"), ep=world), None, bi), requests)
+    # `lockstep generate --tp 2` as a torchrun worker would run it (the group handed in), rank 0 printing
+    model_dir = os.path.join(out_dir, "model")
+    if rank == 0:
+        results["cli/reference"] = _cli_json("--checkpoint", model_dir)
+    os.environ["WORLD_SIZE"] = str(world)
+    results["cli"] = _cli_json("--checkpoint", model_dir, "--tp", str(world))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -113,8 +134,11 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(computed_once):
-    tmp = computed_once("parallel-generate spawn", lambda d: mp.spawn(
-        _worker, args=(WORLD, str(d / "init"), str(d)), nprocs=WORLD, join=True))
+    def make(d):
+        make_model_dir(d / "model")  # the generate CLI tests' tiny llama3 with a tokenizer
+        mp.spawn(_worker, args=(WORLD, str(d / "init"), str(d)), nprocs=WORLD, join=True)
+
+    tmp = computed_once("parallel-generate spawn", make)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
@@ -141,6 +165,14 @@ def test_every_rank_returns_the_same_results(results, family, kind):
     case = f"{family}/{kind}"
     assert results[0][case] == results[1][case]  # the sampled request too: rank 0's draws are everyone's
     assert len(results[0][case]["sampled"][0]) == 5
+
+
+def test_generate_cli_tp2_prints_the_one_process_completion_once(results):
+    reference = json.loads(results[0]["cli/reference"])
+    got = json.loads(results[0]["cli"])
+    assert got["token_ids"] == reference["token_ids"] and len(got["token_ids"]) == 6
+    assert max(abs(a - b) for a, b in zip(got["logprobs"], reference["logprobs"])) < LOGPROB_TOL
+    assert results[1]["cli"] == ""  # only group rank 0 prints
 
 
 def test_ep_batch_invariant_logprobs_are_bitwise_one_process(results):
@@ -225,6 +257,18 @@ def test_batch_invariant_refused_under_tp_only():
     with pytest.raises(ConfigError, match=r"engine\.batch_invariant: .*tensor-parallel"):
         check_group_engine_config(EngineConfig(batch_invariant=True), tp=2)
     check_group_engine_config(EngineConfig(batch_invariant=True), tp=1)  # ep: runs (test above)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tp", "2", "--ep", "2"], "--tp/--ep: give one of them"),
+    (["--tp", "0"], "--tp: must be >= 1"),
+    (["--ep", "2", "--engine", "vllm"], "--tp/--ep: run lockstep's engine"),
+])
+def test_generate_cli_group_flag_errors(tmp_path, flags, message):
+    from lockstep.cli_generate import _parse
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _parse("generate", ["--checkpoint", str(tmp_path), "--prompt", "x", *flags])
 
 
 def test_group_engine_needs_a_sharded_model():
