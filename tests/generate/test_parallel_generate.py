@@ -104,7 +104,7 @@ def _cli_json(*argv: str) -> str:
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+                            timeout=datetime.timedelta(seconds=300))  # a loaded CI host
     results = {}
     requests = share_requests(_requests() if rank == 0 else None)
     for i, (family, kind) in enumerate(CASES):
