@@ -57,6 +57,21 @@ class ImageMixConfig(Config):
         return self.source != "none"
 
 
+def require_qwen_tower(model_config: Any, path: str) -> None:
+    """ConfigError naming ``path`` unless the model has Qwen3-VL's vision tower (whose processor,
+    :mod:`lockstep.data.images`, this module and the RL rollout use) and image token ids."""
+    from lockstep.models.common.vision import VisionConfig
+
+    family = getattr(model_config, "family", type(model_config).__name__)
+    tower = getattr(model_config, "vision", None)
+    if tower is None or not hasattr(model_config, "image_token_id"):
+        raise ConfigError(f"{path}: image samples need a vision-language model (qwen3_vl), got model family "
+                          f"{family!r}")
+    if not isinstance(tower, VisionConfig):
+        raise ConfigError(f"{path}: images are preprocessed with Qwen3-VL's processor here; model family {family!r} "
+                          f"has a {type(tower).__name__} tower with its own processor (not wired)")
+
+
 def processor_for(model_config: Any) -> ImageProcessorConfig:
     """The image processor matching a Qwen3-VL config's tower (its patch, temporal patch and merge sizes)."""
     v = model_config.vision
@@ -67,10 +82,7 @@ def processor_for(model_config: Any) -> ImageProcessorConfig:
 def vision_tokens(model_config: Any, tokenizer_vocab: int, path: str = "data.images.source") -> VisionTokens:
     """The model's image token ids; ConfigError when the model has no vision tower or the tokenizer's ids
     reach them (a caption token would be read as an image placeholder)."""
-    family = getattr(model_config, "family", type(model_config).__name__)
-    if getattr(model_config, "vision", None) is None or not hasattr(model_config, "image_token_id"):
-        raise ConfigError(f"{path}: image samples need a vision-language model (qwen3_vl), got model family "
-                          f"{family!r}")
+    require_qwen_tower(model_config, path)
     ids = VisionTokens.of(model_config)
     lowest = min(ids.image_token_id, ids.vision_start_token_id, ids.vision_end_token_id)
     if lowest < tokenizer_vocab:

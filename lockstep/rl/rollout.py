@@ -253,14 +253,12 @@ class Rollout:
 
     def _images(self, task: Task) -> tuple[tuple[torch.Tensor, torch.Tensor], list[int]]:
         """The task's images preprocessed for the engine's model, and their placeholder runs."""
-        from lockstep.data.image_mix import processor_for
+        from lockstep.data.image_mix import processor_for, require_qwen_tower
         from lockstep.data.image_samples import VisionTokens, expand_markers
         from lockstep.data.images import preprocess_images
 
         config = self.engine.model.config
-        if getattr(config, "vision", None) is None or not hasattr(config, "image_token_id"):
-            raise ConfigError(f"rollout: task {task.task_id!r} has images but the policy ({config.family}) has no "
-                              "vision tower")
+        require_qwen_tower(config, f"rollout: task {task.task_id!r} has images")
         if self.chat_template is not None:
             raise ConfigError(f"rollout: task {task.task_id!r} has images: image placeholders are placed before a "
                               "plain prompt only, not inside a chat template's messages")

@@ -65,6 +65,11 @@ def _forward_scores(model, seqs, prompts, images):
             enumerate(zip(seqs, prompts))]
 
 
+class _NoTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [1, 2, 3]
+
+
 def test_shape_count_env_is_deterministic_and_rewards_the_count():
     env = get_environment("shape_count", shaping=0.2)
     task, again = env.reset(7), env.reset(7)
@@ -91,6 +96,16 @@ def test_shape_count_env_is_deterministic_and_rewards_the_count():
         get_environment("shape_count", max_count=8, distractors=2)
     from lockstep.rl.sft import sft_example
 
+    from lockstep.generate import Engine, EngineConfig
+    from lockstep.rl.rollout import Rollout
+
+    from lockstep.data.image_mix import require_qwen_tower
+
+    engine = Engine(build_model(model_config("qwen3", "debug")), None, EngineConfig(cache_memory_mb=4))
+    with pytest.raises(ConfigError, match=r"^rollout: task 'shape_count#7' has images: image samples need a vision"):
+        Rollout(engine, tokenizer=_NoTokenizer())._start(env, 7, 0, 0, 0)
+    with pytest.raises(ConfigError, match=r"^rollout: .* 'kimi_k25' has a MoonViTConfig tower with its own processor"):
+        require_qwen_tower(model_config("kimi_k25", "debug"), "rollout: task 'shape_count#7' has images")
     with pytest.raises(ConfigError, match=r"^sft\.steps: the SFT warm-up trains on text prompts only"):
         sft_example(task, " {answer}", None, None, False, None)
 
