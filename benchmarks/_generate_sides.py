@@ -146,7 +146,7 @@ def _profile(engine, prompts: list[list[int]], new: int, rows: int) -> str:
 def main() -> None:
     side, path, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
     threads, max_batch, max_len = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     import torch
 
     if side == "vllm-cpu" and os.environ.get("LOCKSTEP_CPU_ISA", "amx") != "amx":
@@ -156,11 +156,13 @@ def main() -> None:
     elif side.startswith("lockstep"):
         import lockstep.generate  # noqa: F401
     torch.set_num_threads(threads)
-    imported = time.perf_counter()
+    imported, imported_cpu = time.perf_counter(), time.process_time()
     engine = _start(side, path, dtype, max_batch, max_len)
     torch.set_num_threads(threads)  # vLLM sets its own while it starts
-    _reply({"ready": True, "import_s": imported - started, "start_s": time.perf_counter() - imported,
-            "threads": torch.get_num_threads()})
+    timing = {"import_s": imported - started, "start_s": time.perf_counter() - imported,
+              "import_cpu_s": imported_cpu - started_cpu, "start_cpu_s": time.process_time() - imported_cpu}
+    print(f"{side} start-up: " + ", ".join(f"{k} {v:.1f}" for k, v in timing.items()), file=sys.stderr, flush=True)
+    _reply({"ready": True, "threads": torch.get_num_threads(), **timing})
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd.get("profile"):
