@@ -204,8 +204,8 @@ def _engine(source: Any, args: argparse.Namespace) -> Any:
     from lockstep.generate.vision import image_pixel_bounds
     from lockstep.vllm import build_engine
 
-    return build_engine(args.engine, source.model, source.tokenizer,
-                        EngineConfig(cache_memory_mb=args.cache_mb, max_batch_size=1, **image_pixel_bounds(source.path)))
+    config = EngineConfig(cache_memory_mb=args.cache_mb, max_batch_size=1, **image_pixel_bounds(source.path))
+    return build_engine(args.engine, source.model, source.tokenizer, config)
 
 
 def _messages(args: argparse.Namespace) -> list[dict[str, str]]:

@@ -64,7 +64,8 @@ def prefill(engine: "Engine", seqs: list[Sequence]) -> list[StreamEvent]:
             engine.recurrent.set_step([s.seq_id for s in seqs], (lengths - start).clamp(0, end - start),
                                       fresh=start == 0)
         rope, visual = images.chunk(start, end, positions) if images is not None else (positions, None)
-        h = runner.trunk(tokens[:, start:end].to(engine.device), rope, cache=engine._model_cache, visual=visual)[2]
+        extra = {"visual": visual} if visual is not None else {}  # text-only batches call trunk as before
+        h = runner.trunk(tokens[:, start:end].to(engine.device), rope, cache=engine._model_cache, **extra)[2]
         ending = [i for i in range(b) if start < int(lengths[i]) <= end]  # prompts whose last token is here
         last = [-1] * b
         if ending:

@@ -6,8 +6,8 @@
 
 - ``images``: the request's images in prompt order; each is a PIL image, a uint8 array ``[H, W]`` /
   ``[H, W, 3]`` (preprocessed by the engine, :mod:`lockstep.data.images`, with the model's patch and
-  merge sizes and ``EngineConfig.image_min_pixels`` / ``image_max_pixels``), or a :class:`PixelImage` (already preprocessed: patch rows
-  ``[t*h*w, C*tp*p*p]`` and the patch grid ``(t, h, w)``).
+  merge sizes and ``EngineConfig.image_min_pixels`` / ``image_max_pixels``), or a :class:`PixelImage`
+  (already preprocessed: patch rows ``[t*h*w, C*tp*p*p]`` and the patch grid ``(t, h, w)``).
 - The prompt holds one *run* of ``config.image_token_id`` per image, in order (each image between
   ``vision_start`` and ``vision_end``, as the chat template writes it): a run of one placeholder
   (``<|image_pad|>`` as a chat template renders it) is expanded to the image's ``t*h*w / merge**2``
@@ -144,13 +144,16 @@ class ImageInputs:
         self.config = config = model.config
         self.image_token_id: int = config.image_token_id
         vision = config.vision
-        self.merge: int = vision.spatial_merge_size
-        self.patch_dim: int = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+        # Qwen3-VL's VisionConfig / Kimi K2.5's MoonViTConfig (no temporal patches)
+        self.merge: int = getattr(vision, "spatial_merge_size", None) or vision.merge_size
+        temporal = getattr(vision, "temporal_patch_size", 1)
+        self.patch_dim: int = vision.in_channels * temporal * vision.patch_size ** 2
         self.mrope = hasattr(model, "image_positions")
-        #: raw images are preprocessed with the model's patch and merge sizes (lockstep.data.images)
-        self.processor = ImageProcessorConfig(patch_size=vision.patch_size, merge_size=vision.spatial_merge_size,
-                                              temporal_patch_size=vision.temporal_patch_size,
-                                              min_pixels=min_pixels, max_pixels=max_pixels)
+        #: raw images are preprocessed with the model's patch and merge sizes (lockstep.data.images;
+        #: Qwen3-VL's processor, so only for mRoPE models)
+        self.processor = ImageProcessorConfig(patch_size=vision.patch_size, merge_size=self.merge,
+                                              temporal_patch_size=temporal, min_pixels=min_pixels,
+                                              max_pixels=max_pixels) if self.mrope else None
 
     @classmethod
     def for_model(cls, model: Any, min_pixels: int, max_pixels: int) -> "ImageInputs | None":
@@ -168,7 +171,7 @@ class ImageInputs:
         rows, grids = [], []
         for i, image in enumerate(images):
             if isinstance(image, PixelImage):
-                pixels, grid = image.pixel_values, tuple(int(g) for g in image.grid_thw)
+                pixels, grid = torch.as_tensor(image.pixel_values), tuple(int(g) for g in image.grid_thw)
                 if len(grid) != 3 or min(grid) < 1:
                     raise ConfigError(f"Request.images[{i}].grid_thw: must be three positive sizes, got {grid}")
                 if grid[1] % self.merge or grid[2] % self.merge:
