@@ -73,8 +73,8 @@ def _worker(rank: int, world: int, init: str, flavor: str, rounds: int, out: str
     from lockstep.models.common.transformer import build_model
     from lockstep.models.registry import model_config
     from lockstep.parallel.parallelize import apply_dense_tp
-    from lockstep.rl.reshard import (ReshardPlan, ReshardReceiver, ReshardSender, describe, exchange_layouts,
-                                     side_layout, unique_state)
+    from lockstep.rl.reshard import ReshardPlan, describe, exchange_layouts, side_layout, unique_state
+    from lockstep.rl.reshard_transfer import ReshardReceiver, ReshardSender
     from lockstep.rl.transport import FlatState
 
     torch.set_num_threads(1)

@@ -1,4 +1,5 @@
-"""The RL job's resharding weight sync (``workers.weight_sync = "reshard"``), on top of :mod:`lockstep.rl.reshard`.
+"""The RL job's resharding weight sync (``workers.weight_sync = "reshard"``), on top of :mod:`lockstep.rl.reshard`
+(the plan) and :mod:`lockstep.rl.reshard_transfer` (the sends).
 
 Each generator ``g`` has a sync group (the trainer ranks + its ranks, :mod:`lockstep.rl.layout`). Once,
 at start, every rank of that group describes its model's layout and the descriptions are exchanged
@@ -19,7 +20,8 @@ from typing import Any
 from torch import nn
 
 from lockstep.rl.layout import RLLayout
-from lockstep.rl.reshard import ReshardPlan, ReshardReceiver, ReshardSender, describe, exchange_layouts, side_layout
+from lockstep.rl.reshard import ReshardPlan, describe, exchange_layouts, side_layout
+from lockstep.rl.reshard_transfer import ReshardReceiver, ReshardSender
 
 
 def _plan(layout: RLLayout, index: int, mine: dict) -> ReshardPlan:

@@ -125,8 +125,8 @@ def _worker(rank, world, init_file, out_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from lockstep.rl.reshard import (ReshardPlan, ReshardReceiver, ReshardSender, describe, exchange_layouts,
-                                     side_layout, unique_state)
+    from lockstep.rl.reshard import ReshardPlan, describe, exchange_layouts, side_layout, unique_state
+    from lockstep.rl.reshard_transfer import ReshardReceiver, ReshardSender
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
