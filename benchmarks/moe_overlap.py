@@ -18,11 +18,21 @@ transfer with the ranks' lateness taken out); "CPU s/step" is the process CPU ti
 thread, gloo's included), mean over ranks -- on a shared host wall time mostly measures who got a core.
 
     .venv/bin/python benchmarks/moe_overlap.py [--worlds 2,4] [--flavor tiny] [--batch 2] [--seq 128]
-        [--chunks 4] [--steps 3] [--dtype fp32] [--capacity-factor 1.25]
+        [--chunks 4] [--steps 3] [--dtype fp32] [--capacity-factor 1.25] [--routings learned]
+        [--link-mb-per-s 100 --link-latency-us 50]
 
 The configurations run interleaved in rounds (this host's speed drifts) and the table shows medians.
 ``--capacity-factor f`` adds a learned-routing row with the drop policy (``dropped/step``: token
 assignments dropped over the ep group and the MoE layers, per step).
+
+``--link-mb-per-s B`` adds a load-independent column, "modelled exposed s/step (CPU clock)": for a
+link that costs no CPU (a NIC / NVLink engine, which this host has not: here every byte of gloo's
+loopback transfer is CPU work on the cores the experts run on) taking ``latency + remote bytes / B``
+per exchange, the part of each exchange's link time that this rank's own main-thread CPU work
+between issuing the exchange and waiting on it does not cover, summed over a step's exchanges (the
+synchronous path's too: it waits right away), mean over ranks. Measured on the thread's CPU clock, so
+being descheduled by other jobs does not count; peers are taken to be as fast (no skew). It shows
+how much link time the chunk pipeline's schedule hides, not what this host's gloo transfers cost.
 """
 
 from __future__ import annotations
@@ -48,6 +58,45 @@ from lockstep.parallel.expert import apply_expert_parallel, sync_expert_parallel
 ROUTINGS = ("learned", "forced_balanced")
 
 
+class _LinkWork:
+    """An async work that, on ``wait``, adds the link time its issuer's CPU work did not cover."""
+
+    def __init__(self, work, link_s: float, totals: list) -> None:
+        self._work, self._link_s, self._totals = work, link_s, totals
+        self._issued_cpu = time.thread_time()
+
+    def wait(self) -> bool:
+        self._totals[0] += max(0.0, self._link_s - (time.thread_time() - self._issued_cpu))
+        return self._work.wait()
+
+    def get_future(self):
+        return self._work.get_future()
+
+
+#: modelled exposed link seconds of this process since the last read (``_model_link``)
+_MODELLED = [0.0]
+
+
+def _model_link(bytes_per_s: float, latency_s: float) -> None:
+    """Wrap every ``dist.all_to_all_single`` of this process to add to ``_MODELLED`` (module docstring)."""
+    real = dist.all_to_all_single
+
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                          async_op=False):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        rows = input.shape[0]
+        splits = input_split_sizes or [rows // world] * world
+        row_bytes = input[0].numel() * input.element_size() if rows else 0
+        link_s = latency_s + (rows - splits[rank]) * row_bytes / bytes_per_s
+        work = real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+        if async_op:
+            return _LinkWork(work, link_s, _MODELLED)
+        _MODELLED[0] += link_s  # waited right away: nothing covers it
+        return work
+
+    dist.all_to_all_single = all_to_all_single
+
+
 def _run(args, routing: str, chunks: int, rank: int, capacity_factor: float = 0.0) -> dict:
     cfg = model_config("qwen3_moe", args.flavor)
     cfg.feed_forward.routing = routing
@@ -55,11 +104,11 @@ def _run(args, routing: str, chunks: int, rank: int, capacity_factor: float = 0.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(rank)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    times, cpu, exposed, last, sync, hidden, imbalance, dropped = [], [], [], [], [], [], [], []
+    times, cpu, modelled, exposed, last, sync, hidden, imbalance, dropped = [], [], [], [], [], [], [], [], []
     for step in range(args.warmup + args.steps):
         tokens = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
         dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, _MODELLED[0] = time.perf_counter(), time.process_time(), 0.0
         with record_timeline() as events, torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
             logits = model(tokens[:, :-1])
             aux, metrics = model.pop_auxiliary()
@@ -73,6 +122,7 @@ def _run(args, routing: str, chunks: int, rank: int, capacity_factor: float = 0.
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
             cpu.append(_mean_over_ranks(c1 - c0))
+            modelled.append(_mean_over_ranks(_MODELLED[0]))
             if chunks:
                 last.append(_last_arriver_wait(events))
             m = {k: float(v) for k, v in metrics.items()}
@@ -85,6 +135,7 @@ def _run(args, routing: str, chunks: int, rank: int, capacity_factor: float = 0.
             if per_layer:  # the Dist-MoE rows (over the ep group)
                 imbalance.append(statistics.mean(per_layer))
     return {"step_s": statistics.median(times), "cpu_s": statistics.median(cpu),
+            "modelled_s": statistics.median(modelled) if args.link_mb_per_s else None,
             "last_s": statistics.median(last) if last else None,
             "exposed_s": statistics.median(exposed) if exposed else None,
             "sync_s": statistics.median(sync) if sync else None,
@@ -116,7 +167,9 @@ def _worker(rank, world, args, init_file, out_file):
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=600))
-    configs = [(r, c, 0.0) for r in ROUTINGS for c in (0, 1, args.chunks)]
+    if args.link_mb_per_s > 0:
+        _model_link(args.link_mb_per_s * 1e6, args.link_latency_us * 1e-6)
+    configs = [(r, c, 0.0) for r in args.routings.split(",") for c in (0, 1, args.chunks)]
     if args.capacity_factor > 0:
         configs.append(("learned", args.chunks, args.capacity_factor))
     rows: dict = {k: [] for k in configs}
@@ -144,12 +197,18 @@ def main() -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--capacity-factor", type=float, default=0.0,
                    help="also run learned routing, --chunks, with this drop capacity factor")
+    p.add_argument("--routings", default=",".join(ROUTINGS))
+    p.add_argument("--link-mb-per-s", type=float, default=0.0,
+                   help="model a link of this many MB/s that costs no CPU (module docstring); 0: off")
+    p.add_argument("--link-latency-us", type=float, default=50.0, help="the modelled link's latency per exchange")
     args = p.parse_args()
+    link = f", modelled link {args.link_mb_per_s:g} MB/s + {args.link_latency_us:g} us" if args.link_mb_per_s else ""
     print(f"qwen3_moe {args.flavor}, {args.dtype}, per rank {args.batch} x {args.seq} tokens, "
-          f"{args.threads} thread(s) per rank, host CPUs {os.cpu_count()}, torch {torch.__version__}")
-    print("| world | routing | ep_chunks | capacity | tokens/s | step s | CPU s/step | exposed comm s/step "
-          "| exposed, last arriver s/step | hidden_frac | skew wait s/step | imbalance max/mean | dropped/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          f"{args.threads} thread(s) per rank, host CPUs {os.cpu_count()}, torch {torch.__version__}{link}")
+    print("| world | routing | ep_chunks | capacity | tokens/s | step s | CPU s/step | modelled exposed s/step "
+          "(CPU clock) | exposed comm s/step | exposed, last arriver s/step | hidden_frac | skew wait s/step "
+          "| imbalance max/mean | dropped/step |")
+    print("|---" * 14 + "|")
     for world in (int(w) for w in args.worlds.split(",")):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "rows.pt")
@@ -161,9 +220,9 @@ def main() -> None:
             capacity = "no-drop" if factor == 0 else f"factor {factor}"
             cells = [str(world), routing, label, capacity, f"{world * args.batch * args.seq / step:,.0f}",
                      f"{step:.3f}"]
-            for key, fmt in (("cpu_s", "{:.3f}"), ("exposed_s", "{:.4f}"), ("last_s", "{:.4f}"),
-                             ("hidden_frac", "{:.2f}"), ("sync_s", "{:.4f}"), ("imbalance", "{:.2f}"),
-                             ("dropped", "{:.0f}")):
+            for key, fmt in (("cpu_s", "{:.3f}"), ("modelled_s", "{:.4f}"), ("exposed_s", "{:.4f}"),
+                             ("last_s", "{:.4f}"), ("hidden_frac", "{:.2f}"), ("sync_s", "{:.4f}"),
+                             ("imbalance", "{:.2f}"), ("dropped", "{:.0f}")):
                 vals = [r[key] for r in runs if r[key] is not None]
                 cells.append(fmt.format(statistics.median(vals)) if vals else "-")
             print("| " + " | ".join(cells) + " |")
