@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lockstep.generate import Request, SamplingParams
+from lockstep.generate.cache import PagedKVCache
 
 from .conftest import engine_for, full_forward_logits, record_logits
 
@@ -92,3 +93,16 @@ def test_prefill_and_decode_logits_equal_full_forward(run, models, prompts):
     for prompt, result, rows in zip(prompts, results, logits):
         want = full_forward_logits(models[0], prompt, result.token_ids)
         torch.testing.assert_close(rows, want, atol=ATOL, rtol=0)
+
+
+def test_cache_layout_per_block(models):
+    """Entries take ceil(block_size / rate) rows a block; pure sliding-window blocks cache nothing per token."""
+    engine = engine_for(models[0], cache_memory_mb=1, block_size=4, max_batch_size=2, pack_weights=False)
+    layouts = engine.cache.layouts  # debug layers: HCA (rate 8), CSA (rate 4, indexer 16 wide), sliding, CSA
+    assert [(lay.kind, lay.key_dim, lay.index_dim, lay.rate) for lay in layouts.values()] == [
+        ("compressed", 32, 0, 8), ("compressed", 32, 16, 4), ("compressed", 0, 0, 1), ("compressed", 32, 16, 4)]
+    assert PagedKVCache.bytes_per_block(layouts, 4, torch.float32) == 4 * (32 + 48 + 0 + 48)
+    assert PagedKVCache.bytes_per_block(layouts, 16, torch.float32) == 4 * (2 * 32 + 2 * 4 * 48)
+    # rings per slot (3 slots): window 8 x 32 per layer; compressors kv + gate of span x width
+    rings = 8 * 32 * 4 + 2 * (8 * 32) + 2 * 2 * (8 * 64 + 8 * 32)
+    assert engine.recurrent.nbytes == 3 * 4 * rings
