@@ -32,6 +32,8 @@ def test_world_size_counts_each_generator_group(tmp_path):
                                                                             "group of 2 processes needs generator"),
     (["--workers.generator-parallel.tp", "2", "--workers.weight-sync", "gather"], "workers.weight_sync: 'gather'"),
     (["--workers.weight-sync", "bcast"], "workers.weight_sync: must be one of"),
+    (["--workers.generator-parallel.tp", "2", "--numerics.batch-invariant"], "numerics.batch_invariant: "
+                                                                            "batch-invariant mode does not run"),
     (["--parallel.dp-shard", "2", "--liveness.on-generator-loss", "continue"], "liveness.on_generator_loss: "
                                                                                "'continue' drops"),
 ])
