@@ -111,6 +111,7 @@ class ImageMixLoader:
                  processor: ImageProcessorConfig, *, seq_len: int, batch_size: int, seed: int = 0,
                  shuffle: bool = True, rank: int = 0, world_size: int = 1, pad_id: int = 0,
                  name: str = "images") -> None:
+        """``name``: the config field the samples come from (error messages start with it)."""
         self.expanded = [expand_sample(s, ids, processor) for s in samples]
         longest = max(len(row) for row, _, _ in self.expanded)
         if longest >= seq_len:
@@ -124,18 +125,14 @@ class ImageMixLoader:
             raise ConfigError(f"{name}: {len(samples)} image samples, fewer than one global batch of "
                               f"{self.global_batch} rows (batch_size x data-parallel ranks)")
         if text.numel() < seq_len:
-            raise ConfigError(f"{name}: the text split has {text.numel()} tokens, fewer than seq_len={seq_len}")
+            raise ConfigError(f"training.seq_len: {seq_len} is longer than the corpus split beside {name} "
+                              f"({text.numel()} tokens)")
         self.epoch = self.position = 0
 
     @property
     def num_batches(self) -> int:
         """Batches per epoch (a final partial batch is dropped)."""
         return len(self.expanded) // self.global_batch
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of one epoch's rows (image samples and their text windows)."""
-        return self.num_batches * self.global_batch * self.seq_len
 
     def _order(self, epoch: int) -> list[int]:
         if not self.shuffle:
@@ -200,7 +197,7 @@ def image_mix_loaders(config: ImageMixConfig, tokenizer: Any, model_config: Any,
                                    ("val", config.val_samples, val_text, 1)):
         samples = caption_samples(n, tokenizer, marker=ids.marker, size=config.image_size, seed=config.seed + offset)
         loaders.append(ImageMixLoader(samples, text, ids, processor, shuffle=split == "train",
-                                      name=f"data.images ({split} split)", **common))
+                                      name=f"data.images.{split}_samples", **common))
     return loaders[0], loaders[1]
 
 
