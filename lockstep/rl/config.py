@@ -318,8 +318,8 @@ class RLConfig(RunConfig):
         refuse_batch_invariant(self.model, self.numerics.batch_invariant)
         self._check_trainer_layout()
         require(not (self.numerics.batch_invariant and self.workers.generator_parallel.tp > 1),
-                "numerics.batch_invariant", "batch-invariant mode does not run tensor-parallel generators (workers.generator_parallel.tp > 1; "
-                "lockstep.generate.parallel); expert-parallel ones (ep) do")
+                "numerics.batch_invariant", "batch-invariant mode does not run tensor-parallel generators "
+                "(workers.generator_parallel.tp > 1; lockstep.generate.parallel); expert-parallel ones (ep) do")
         require(self.lr_schedule.warmup_steps <= self.steps, "lr_schedule.warmup_steps",
                 f"must be <= steps={self.steps}, got {self.lr_schedule.warmup_steps}")
         kind = self.loss.kind
