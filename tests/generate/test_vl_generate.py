@@ -313,3 +313,31 @@ def test_kimi_k25_pixel_image_equals_reference():
     assert result.token_ids == expected[0, len(expanded):].tolist()
     with pytest.raises(ConfigError, match=r"Request.images\[0\]: this model \(kimi_k25\) takes preprocessed"):
         engine.add_request(Request(prompt_ids=prompt, images=[_images()[0]]))
+
+
+def test_message_images_sources_and_errors(tmp_path):
+    """Image parts by value, local path, file:// and data: URL load the same pixels; web URLs and broken parts
+    are ConfigErrors naming the part."""
+    import base64
+    import io
+
+    array = _images()[0]
+    PIL.fromarray(array).save(tmp_path / "a.png")
+    encoded = io.BytesIO()
+    PIL.fromarray(array).save(encoded, format="PNG")
+    data_url = "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode()
+    parts = [{"type": "image", "image": array}, {"type": "image", "path": str(tmp_path / "a.png")},
+             {"type": "image_url", "image_url": {"url": f"file://{tmp_path / 'a.png'}"}},
+             {"type": "image_url", "image_url": data_url}, {"type": "text", "text": "hi"}]
+    images = message_images([{"role": "system", "content": "s"}, {"role": "user", "content": parts}])
+    assert len(images) == 4 and all(np.array_equal(np.asarray(i), array) for i in images)
+    with pytest.raises(ConfigError, match=r"messages\[0\].content\[0\]: .* is a web URL; images are not downloaded"):
+        message_images([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/a.png"}}]}])
+    with pytest.raises(ConfigError, match=r"messages\[0\].content\[1\]: an image part without its image"):
+        message_images([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image"}]}])
+    with pytest.raises(ConfigError, match=r"messages\[0\].content\[0\]: cannot read the image"):
+        message_images([{"role": "user", "content": [{"type": "image", "path": str(tmp_path / "missing.png")}]}])
+    with pytest.raises(ConfigError, match=r"messages\[0\].content: must be a string or a list of parts"):
+        message_images([{"role": "user", "content": 3}])
+    with pytest.raises(ConfigError, match=r"messages\[0\].content\[0\]: must be a dict with a 'type'"):
+        ChatTemplate(VL_TEMPLATE).render([{"role": "user", "content": ["text"]}])
