@@ -5,7 +5,8 @@ image question (``lockstep rl``).
   mRoPE) on rows that each hold a generated shape image with its caption and a Shakespeare window
   (``data.images.source = "shapes"``, :mod:`lockstep.data.image_mix`). The model's vocabulary is the
   Shakespeare tokenizer's 4096 ids plus the image token ids above them. ``debug-qwen3-vl-moe``: the same
-  with the MoE text model (``debug-moe``: 8 experts, top-2).
+  with the MoE text model (``debug-moe``: 8 experts, top-2). ``debug-qwen35-vl``: the same rows for
+  Qwen3.5's image-text model (``qwen3_5`` ``debug-vl``).
 - ``rl-qwen3-vl-shapes``: GRPO of that model (random init) on ``shape_count`` -- "How many circles are in
   the image?" over pictures drawn per task seed -- with the exact answer rewarded 1.0 and another reply
   0.2 x its similarity to the count's word (``shaping``: a random policy's groups get reward variance, so
@@ -33,10 +34,11 @@ from lockstep.train.config import TrainerConfig
 TEXT_VOCAB = 4096
 
 
-def shakespeare_vl_model(flavor: str = "debug") -> Qwen3VLConfig:
-    """A ``qwen3_vl`` flavor whose vocabulary is the Shakespeare tokenizer's plus the vision tokens after it
-    (the flavors put them at the top of a 4096 vocabulary, where the tokenizer's own merges are)."""
-    cfg = model_config("qwen3_vl", flavor)
+def shakespeare_vl_model(flavor: str = "debug", family: str = "qwen3_vl") -> Qwen3VLConfig:
+    """A vision-language flavor (``qwen3_vl``, or ``qwen3_5``'s ``-vl`` ones) whose vocabulary is the
+    Shakespeare tokenizer's plus the vision tokens after it (the flavors put them at the top of a 4096
+    vocabulary, where the tokenizer's own merges are)."""
+    cfg = model_config(family, flavor)
     return dataclasses.replace(cfg, vocab_size=TEXT_VOCAB + 8, vision_start_token_id=TEXT_VOCAB,
                                vision_end_token_id=TEXT_VOCAB + 1, image_token_id=TEXT_VOCAB + 2,
                                video_token_id=TEXT_VOCAB + 3, flavor=f"{flavor}-shakespeare")
@@ -59,6 +61,14 @@ def debug_qwen3_vl() -> TrainerConfig:
 def debug_qwen3_vl_moe() -> TrainerConfig:
     cfg = debug_qwen3_vl()
     cfg.model = shakespeare_vl_model("debug-moe")
+    return cfg
+
+
+@recipe("debug-qwen35-vl", "debug-qwen3-vl with Qwen3.5's image-text model (qwen3_5 debug-vl: Gated DeltaNet "
+        "hybrid, mRoPE in the gated attention, tower without DeepStack), for tests")
+def debug_qwen35_vl() -> TrainerConfig:
+    cfg = debug_qwen3_vl()
+    cfg.model = shakespeare_vl_model("debug-vl", family="qwen3_5")
     return cfg
 
 
