@@ -1,10 +1,12 @@
 """MTP speculative decoding: draft with the model's multi-token-prediction heads, verify in one forward.
 
 ``EngineConfig.speculative = "mtp"`` (greedy requests only) on a model with MTP depths
-(DeepSeek-V3's ``model.mtp``, :mod:`lockstep.models.deepseek_v3.model`). Each MTP depth gets a layer
-of the paged cache of its own (``"mtp.<d>"``, an MLA latent like the main layers, under the same
-block tables), and its stream index ``i`` is the position of the main hidden state it reads: depth 1
-at ``i`` combines ``h_i`` with the embedding of ``t_{i+1}`` and predicts ``t_{i+2}``.
+(DeepSeek-V3's ``model.mtp``, :mod:`lockstep.models.deepseek_v3.model`: families ``deepseek_v3``
+and ``deepseek_v32`` with ``n_mtp >= 1``; others are refused, :func:`check_speculative`). Each MTP
+depth gets a layer of the paged cache of its own (``"mtp.<d>"``, an MLA latent like the main
+layers, under the same block tables), and its stream index ``i`` is the position of the main hidden
+state it reads: depth 1 at ``i`` combines ``h_i`` with the embedding of ``t_{i+1}`` and predicts
+``t_{i+2}``.
 
 Per sequence of length ``L`` (tokens ``t_0 .. t_{L-1}``, the main cache holding ``0 .. L-2``) with
 drafts ``d_1 .. d_n`` (``n <= draft_tokens``, fewer near the token budget):
@@ -25,6 +27,11 @@ drafts ``d_1 .. d_n`` (``n <= draft_tokens``, fewer near the token budget):
    ``min(j, D)`` on the previous draft's hidden state and the embedding of ``d'_{j-1}`` (depths past
    ``D`` reuse the last one one position further on, as vLLM does for DeepSeek's single MTP layer).
    After a prefill, depth 1 runs over the prompt the same way.
+
+DeepSeek-V3.2 (``deepseek_v32``) runs the same steps: its sparse indexer's keys live in the same
+blocks as the latent (main and MTP layers), and each query of a verify or catch-up forward selects
+its top-k among the positions up to its own, so a rejected draft's stale keys are never selected
+before they are overwritten.
 
 Depths >= 2 (no released model has them) see only what the drafts wrote into their caches: their
 drafts are approximate, which costs acceptance, never correctness. Sampling with ``temperature >
@@ -63,16 +70,32 @@ def mtp_layouts(model: nn.Module) -> dict[str, LayerLayout]:
     return layer_layouts(SimpleNamespace(layers=blocks))  # it reads ``model.layers``: the MTP blocks
 
 
+#: families whose models never have MTP depths, and why (the refusal names it)
+NO_MTP = {
+    "kimi_k25": "kimi_k25 builds no MTP depths (its config forces n_mtp=0: multi-token prediction with "
+                "images is not implemented)",
+    "deepseek_v4": "deepseek_v4 has no MTP depths (its checkpoints' mtp.* weights are not loaded)",
+}
+
+
 def check_speculative(model: nn.Module, mode: str, recurrent: bool, field: str = "engine.speculative") -> None:
-    """Refuse speculative decoding on a model it cannot run on, naming ``field``."""
+    """Refuse speculative decoding on a model it cannot run on, naming ``field`` and the family."""
     if mode == "none":
         return
+    config = getattr(model, "config", None)
+    family = getattr(config, "family", type(model).__name__)
     if not mtp_layers(model):
-        raise ConfigError(f"{field}: 'mtp' drafts with the model's multi-token-prediction heads; "
-                          f"{type(model).__name__} has none (DeepSeek-V3 flavors with n_mtp >= 1 do)")
+        if family in NO_MTP:
+            why = NO_MTP[family]
+        elif getattr(config, "n_mtp", None) == 0:
+            why = f"this {family} model has n_mtp=0 (model.n_mtp >= 1 builds MTP depths)"
+        else:
+            why = f"family {family} has none"
+        raise ConfigError(f"{field}: 'mtp' drafts with the model's multi-token-prediction heads; {why}; "
+                          f"speculative='mtp' runs on deepseek_v3 and deepseek_v32 models with n_mtp >= 1")
     if recurrent:
-        raise ConfigError(f"{field}: models with linear-attention (recurrent) layers cannot roll back a "
-                          f"rejected draft's state; use speculative='none'")
+        raise ConfigError(f"{field}: models with linear-attention (recurrent) layers ({family}) cannot roll "
+                          f"back a rejected draft's state; use speculative='none'")
 
 
 @dataclasses.dataclass
