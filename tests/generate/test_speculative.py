@@ -49,16 +49,26 @@ def generate(model, reqs, **config):
     return engine, results, seen
 
 
-def with_oracle(engine, plain: dict[str, list[int]], record: list | None = None) -> None:
+def record_drafts(engine) -> list:
+    """Per draft chain: ``(request_id, tokens generated, the depth-1 MTP output it drafts from)``."""
+    speculator, drafted = engine.speculator, []
+    own_draft = speculator._draft
+
+    def draft(seqs, hidden):
+        drafted.extend((s.request.request_id, len(s.generated), h.clone()) for s, h in zip(seqs, hidden))
+        own_draft(seqs, hidden)
+
+    speculator._draft = draft
+    return drafted
+
+
+def with_oracle(engine, plain: dict[str, list[int]]) -> None:
     """Replace the MTP drafts by the plain continuation, one token corrupted at a place that varies
-    with the sequence and the step (so acceptance lengths 0..k all occur). ``record``: gets
-    ``(request_id, tokens generated, depth-1 MTP output it drafts from)`` per draft chain."""
+    with the sequence and the step (so acceptance lengths 0..k all occur)."""
     speculator = engine.speculator
     own_draft = speculator._draft
 
     def draft(seqs, hidden):
-        if record is not None:
-            record.extend((s.request.request_id, len(s.generated), h.clone()) for s, h in zip(seqs, hidden))
         own_draft(seqs, hidden)  # the MTP chain still runs (its cache writes must not matter)
         for seq in seqs:
             done = len(seq.generated)
@@ -94,8 +104,8 @@ def test_verify_with_accepted_drafts(flavor, n_mtp, draft_tokens=3):
     model = mtp_model(flavor, n_mtp=n_mtp)
     _, plain, plain_logits = generate(model, requests())
     engine = engine_for(model, max_batch_size=4, speculative="mtp", draft_tokens=draft_tokens)
-    drafted: list = []
-    with_oracle(engine, {r.request_id: r.token_ids for r in plain}, record=drafted)
+    drafted = record_drafts(engine)
+    with_oracle(engine, {r.request_id: r.token_ids for r in plain})
     lengths: list[int] = []
     verify = engine.speculator.decode
 
@@ -115,16 +125,17 @@ def test_verify_with_accepted_drafts(flavor, n_mtp, draft_tokens=3):
     assert set(lengths) == set(range(1, draft_tokens + 2)), lengths  # 0..k drafts accepted (+1 bonus)
     assert engine.speculator.stats.accepted > 0
     assert len(plain_logits) == 4
-    check_mtp_cache(model, spec, drafted)
+    check_mtp_cache(model, requests(), spec, drafted)
 
 
 @torch.no_grad()
-def check_mtp_cache(model, results, drafted) -> None:
+def check_mtp_cache(model, reqs, results, drafted) -> None:
     """Depth 1's cache (its latent and, deepseek_v32, its indexer keys) holds the true entries after
     every prefill and verify, whatever drafts were rejected: the output each draft chain starts from
     matches a cache-free MTP forward over the sequence so far."""
     checked = 0
-    for result, prompt in zip(results, prompts(LENGTHS)):
+    for request, result in zip(reqs, results):
+        prompt = request.prompt_ids
         # one forward per sequence; the appended token gives row L-2 (t_{L-1} beside h_{L-2}) a target,
         # and no earlier row reads it (causal)
         tokens = torch.tensor([prompt + result.token_ids + [0]])
@@ -151,14 +162,19 @@ def test_stop_token_inside_accepted_drafts():
     assert spec[0].finish_reason == "stop" and spec[0].token_ids[-1] == stop
 
 
-def test_mtp_with_chunked_prefill_and_queueing():
-    """More requests than batch slots (sequences join mid-run), prompts prefilled in chunks."""
-    model = mtp_model(MTP_FLAVORS[0])
+@pytest.mark.parametrize("flavor", [MTP_FLAVORS[0], MTP_FLAVORS[2]], ids=[FLAVOR_IDS[0], FLAVOR_IDS[2]])
+def test_mtp_with_chunked_prefill_and_queueing(flavor):
+    """More requests than batch slots (sequences join mid-run), prompts prefilled in chunks (depth 1
+    catches up chunk by chunk: its cache checked as in the oracle test)."""
+    model = mtp_model(flavor)
     reqs = requests() + [Request(prompt_ids=p, request_id=f"late{i}", sampling=SamplingParams(
         max_new_tokens=6, temperature=0.0)) for i, p in enumerate(prompts([9, 4], seed=1))]
     plain = engine_for(model, max_batch_size=3).generate(reqs)
-    spec = engine_for(model, max_batch_size=3, speculative="mtp", draft_tokens=2, prefill_chunk=4).generate(reqs)
+    engine = engine_for(model, max_batch_size=3, speculative="mtp", draft_tokens=2, prefill_chunk=4)
+    drafted = record_drafts(engine)
+    spec = engine.generate(reqs)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    check_mtp_cache(model, reqs, spec, drafted)
 
 
 def test_mtp_refusals():
