@@ -106,3 +106,12 @@ def test_cache_layout_per_block(models):
     # rings per slot (3 slots): window 8 x 32 per layer; compressors kv + gate of span x width
     rings = 8 * 32 * 4 + 2 * (8 * 32) + 2 * 2 * (8 * 64 + 8 * 32)
     assert engine.recurrent.nbytes == 3 * 4 * rings
+
+
+def test_engine_refuses_batch_invariant_mode(models):
+    from lockstep.config.base import ConfigError
+    from lockstep.generate import Engine, EngineConfig
+
+    with pytest.raises(ConfigError, match=r"engine.batch_invariant: not supported by deepseek_v4 .*"
+                                          r"'compressed_attention.eager'"):
+        Engine(models[0], None, EngineConfig(cache_memory_mb=4, batch_invariant=True))
