@@ -112,31 +112,3 @@ def test_sparse_selection_matters_in_generation(model_and_reference):
     dense.load_state_dict(model.state_dict())
     _, results = _greedy(dense, prompts[2:], [NEW_TOKENS] * 2, block_size=4)  # the two longest prompts
     assert any(r.token_ids != want for r, (want, _, _) in zip(results, reference[2:]))
-
-
-def test_mtp_speculative_decoding_and_chunked_prefill_keep_the_tokens():
-    """The indexer over several new tokens per step: MTP verify forwards (oracle drafts with a wrong
-    token at varying places, as tests/generate/test_speculative.py, so drafts are accepted and
-    rejected; the MTP block's own indexer cached as ``mtp.0``) and prefill in chunks of 4 give plain
-    decoding's tokens."""
-    from tests.generate.test_speculative import with_oracle
-
-    model = tiny_model("deepseek_v32", seed=1)
-    assert model.config.n_mtp == 1
-    prompts = random_prompts([2, 11, 23], model.config.vocab_size, seed=4)
-
-    def run(**config):
-        engine = Engine(model, None, EngineConfig(cache_memory_mb=4, block_size=4, **config))
-        if config.get("speculative"):
-            with_oracle(engine, {str(i): r.token_ids for i, r in enumerate(plain)})
-        return engine, engine.generate([Request(prompt_ids=p, request_id=str(i),
-                                                sampling=SamplingParams(max_new_tokens=14, temperature=0))
-                                        for i, p in enumerate(prompts)])
-
-    _, plain = run()
-    engine, spec = run(speculative="mtp", draft_tokens=3)
-    _, chunked = run(prefill_chunk=4)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain] == [r.token_ids for r in chunked]
-    stats = engine.speculator.stats
-    assert 0 < stats.accepted < stats.drafted
-    assert engine.cache.layer("mtp.0").layout.index_dim == 16
