@@ -13,8 +13,7 @@ MoE layer becomes a :class:`DistMoE`: the router, selection bias and metrics sta
 3. **experts** -- the owner regroups what it received by local expert, pads an expert's group of
    fewer than 16 rows to 16 (zero rows that feed no token: a GEMM row's bits on this CPU do not
    depend on its neighbours from 16 rows on; bf16 groups to 16-row multiples) and runs its experts
-   as one grouped GEMM
-   (``torch._grouped_mm``; SwiGLU or the family's activation);
+   as one grouped GEMM (``torch._grouped_mm``; SwiGLU or the family's activation);
 4. **combine** -- the results back with the reverse uneven exchange, then each token's kept
    assignments weighted and summed (the MoE module's own order: by expert).
 
