@@ -12,7 +12,8 @@ number of new tokens (``ignore_eos``), with the same torch thread count.
 Each side runs in a worker process of its own (one engine per process, as each is deployed; vLLM owns
 its process's thread pinning), started once per (model, dtype) and timed: ``start s`` is the engine's
 construction (weights loaded and prepared, vLLM's profiling run and KV cache; also in the process's
-CPU seconds, which a loaded host does not inflate), ``import s`` the imports before it, ``first s`` the untimed warm-up call at full length per batch (Inductor compiles there).
+CPU seconds, which a loaded host does not inflate), ``import s`` the imports before it, ``first s``
+the untimed warm-up call at full length per batch (Inductor compiles there).
 Rounds interleave the sides, order rotated each round (the host's speed drifts, so only side-by-side
 ratios mean anything); output tokens/s = generated tokens over the wall time of the whole call
 (prefill included). Per (batch, side): the median tokens/s, the median of per-round ratios to
@@ -235,7 +236,8 @@ def main() -> None:
     for r in rows:
         print(f"| {r['model']} | {r['isa']} | {r['dtype']} | {r['batch']} | {r['side']} | {r['tok_s']:.1f} "
               f"| {r['ratio']:.2f}x | {r['range'][0]:.2f}-{r['range'][1]:.2f}x | {r['cpu_ratio']:.2f}x "
-              f"| {r['start_s']:.1f} ({r['start_cpu_s']:.1f}) | {r['first_s']:.1f} | {r['import_s']:.1f} | {r['same_tokens']:.0%} "
+              f"| {r['start_s']:.1f} ({r['start_cpu_s']:.1f}) | {r['first_s']:.1f} | {r['import_s']:.1f} "
+              f"| {r['same_tokens']:.0%} "
               f"| {r['load']} |")
 
 
