@@ -152,11 +152,10 @@ def main() -> None:
     started, started_cpu = time.perf_counter(), time.process_time()
     import torch
 
-    if is_vllm(side) and os.environ.get("LOCKSTEP_CPU_ISA", "amx") != "amx":
-        # vLLM's CPU kernels pick "vec" instead of "amx". Also needed to run at all: below amx neither
-        # lockstep nor a capped oneDNN asks Linux for the AMX tile state, and vLLM's AMX attention
-        # kernel then dies of SIGILL (seen for vllm-lockstep, 2026-12-05)
-        torch.cpu._is_amx_tile_supported = lambda: False
+    if is_vllm(side):  # below the amx level vLLM's kernels take their AVX-512 paths (and do not SIGILL)
+        from lockstep.vllm import match_cpu_isa
+
+        match_cpu_isa()
     if is_vllm(side):
         import vllm  # noqa: F401  (import time reported apart from start-up)
     elif side.startswith("lockstep"):

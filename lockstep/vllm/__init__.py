@@ -53,10 +53,25 @@ def register() -> None:
 
     if os.environ.get(DIE_WITH_PARENT) == "1" and multiprocessing.parent_process() is not None:
         _die_with_parent()
+    match_cpu_isa()
     from vllm import ModelRegistry
 
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(ARCHITECTURE, "lockstep.vllm.model:LockstepForCausalLM")
+
+
+def match_cpu_isa() -> None:
+    """Below the ``amx`` level (``$LOCKSTEP_CPU_ISA``, or a CPU/OS without AMX) tell vLLM's CPU kernels the
+    CPU has no AMX tiles (``torch.cpu._is_amx_tile_supported``, what they choose their ISA by), so they run
+    their AVX-512 paths as lockstep's and a capped oneDNN do. Needed to run at all when the level is capped
+    on an AMX machine: nothing in the process then asks Linux for the AMX tile state, and vLLM's AMX
+    attention kernel dies of SIGILL. Called by :func:`register`, so every process vLLM starts does it too."""
+    from lockstep.ops import isa
+
+    if isa.level() != "amx":
+        import torch
+
+        torch.cpu._is_amx_tile_supported = lambda: False
 
 
 def _die_with_parent() -> None:

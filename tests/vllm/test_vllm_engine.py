@@ -147,3 +147,15 @@ def test_batch_invariant_vllm_is_batch_invariant_but_not_bitwise_the_trainer():
     assert row["vllm_batch_vs_alone"]["logprob_diff/max"] == 0.0
     vs_trainer = row["vllm_vs_trainer"]
     assert 0.0 < vs_trainer["logprob_diff/max"] < 1e-5  # measured 9.5e-7 (llama3) .. 2.2e-6 (qwen3)
+
+
+def test_vllm_kernels_follow_a_capped_isa_level(monkeypatch):
+    """Below the amx level vLLM is told the CPU has no AMX tiles (else its AMX attention kernel takes
+    SIGILL on an AMX machine whose level is capped: nothing asked Linux for the tile state)."""
+    from lockstep.ops import isa
+    from lockstep.vllm import match_cpu_isa
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    with isa.forced("avx512"):
+        match_cpu_isa()
+    assert torch.cpu._is_amx_tile_supported() is False
