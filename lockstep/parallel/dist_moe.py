@@ -48,7 +48,9 @@ skew does not count as exposed communication), ``hidden_frac`` (1 - waited / tot
 exchanges from issue to completion), ``imbalance`` (max / mean tokens per expert over the ep group,
 last forward), ``dropped_tokens`` (assignments dropped over the ep group, last forward). A step's
 backward waits are reported with the next forward's metrics (the objective pops them right after
-the forward). Built and tested on CPU with gloo. Not supported (ConfigError): expert biases, expert
+the forward). Benchmarks and tests can put an emulated link under the exchanges
+(``LOCKSTEP_EP_LINK_EMULATION``, :func:`~lockstep.parallel.dist_moe_ops.emulated_link`): the same
+metrics then measure it. Built and tested on CPU with gloo. Not supported (ConfigError): expert biases, expert
 tensor parallelism, graph capture; pipeline and context parallelism are refused until tested
 (:class:`~lockstep.parallel.dims.ParallelConfig`). Activation checkpointing works (the recompute
 runs the exchanges again; the backward uses the forward's own state).

@@ -12,7 +12,14 @@ mechanics:
   backward runs the same pipeline in reverse chunk order and computes the weight gradients once, in
   the canonical order, while the last input gradients travel back;
 * :class:`Recorder` -- per-call wait / communication times (the metrics) and, when a test enables
-  :func:`record_timeline`, the timeline of collective issue / wait and compute spans.
+  :func:`record_timeline`, the timeline of collective issue / wait and compute spans;
+* :func:`emulated_link` -- benchmarks and tests only: ``LOCKSTEP_EP_LINK_EMULATION="LATENCY_US,MB_PER_S"``
+  (read when a layer's Recorder is made) makes each exchange complete no earlier than its issue time
+  + latency + remote bytes / bandwidth, in real time: after gloo's own wait, ``wait`` sleeps until
+  that deadline. Sleeping costs no CPU, as a NIC / NVLink copy engine costs the host none; gloo's
+  loopback copies still run on the cores. Remote bytes: the larger of the rows this rank sends to
+  and receives from other ranks (a full-duplex link per rank), times the row size. The plan's
+  blocking counts gather gets the same deadline. Numerics are untouched; unset, nothing changes.
 
 Bits. The owner computes each local expert's rows of a chunk as one group of
 ``torch._grouped_mm`` (a loop of ``mm`` where that is missing or the strides do not suit it), a group
@@ -28,13 +35,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
+from lockstep.config.base import ConfigError, require
 from lockstep.parallel.dist_moe_plan import ChunkPlan, Plan
+
+LINK_ENV = "LOCKSTEP_EP_LINK_EMULATION"
 
 _TIMELINE: list | None = None
 _TIMELINE_LOCK = threading.Lock()
@@ -61,6 +72,37 @@ def _event(event: str, kind: str, layer: int, chunk: int, t0: float, t1: float) 
             _TIMELINE.append((event, kind, layer, chunk, t0, t1))
 
 
+@dataclasses.dataclass(frozen=True)
+class EmulatedLink:
+    """A link that costs the host no CPU: an exchange takes ``latency_s + remote bytes / bytes_per_s``."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def seconds(self, remote_bytes: int) -> float:
+        return self.latency_s + remote_bytes / self.bytes_per_s
+
+
+def emulated_link() -> EmulatedLink | None:
+    """The link ``LOCKSTEP_EP_LINK_EMULATION="LATENCY_US,MB_PER_S"`` asks for (module docstring); None if unset."""
+    spec = os.environ.get(LINK_ENV)
+    if not spec:
+        return None
+    try:
+        latency_us, mb_per_s = (float(v) for v in spec.split(","))
+    except ValueError:
+        raise ConfigError(f"{LINK_ENV}: expected 'LATENCY_US,MB_PER_S', got {spec!r}") from None
+    require(latency_us >= 0 and mb_per_s > 0, LINK_ENV, f"needs latency >= 0 and bandwidth > 0, got {spec!r}")
+    return EmulatedLink(latency_us / 1e6, mb_per_s * 1e6)
+
+
+def remote_bytes(splits: tuple[list, list], rank: int, row_bytes: int) -> int:
+    """Bytes over this rank's link for an exchange with ``splits = (output, input split sizes)``:
+    the larger of what it receives from and sends to the other ranks."""
+    out_splits, in_splits = splits
+    return max(sum(out_splits) - out_splits[rank], sum(in_splits) - in_splits[rank]) * row_bytes
+
+
 class Recorder:
     """Communication times of one MoE layer, summed until :meth:`pop`: ``dispatch`` / ``combine``
     each with the time blocked in ``wait`` (exposed) and the issue-to-completion time (total), and
@@ -72,6 +114,12 @@ class Recorder:
         self.totals = {"dispatch_wait_s": 0.0, "combine_wait_s": 0.0, "dispatch_s": 0.0, "combine_s": 0.0,
                        "sync_wait_s": 0.0}
         self._lock = threading.Lock()
+        self.link = emulated_link()
+
+    def deadline(self, t0: float, inp: torch.Tensor, splits: tuple[list, list], group) -> float:
+        """When the emulated link lets an exchange of ``inp``'s rows, issued at ``t0``, complete."""
+        row_bytes = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
+        return t0 + self.link.seconds(remote_bytes(splits, dist.get_rank(group), row_bytes))
 
     def issue(self, out: torch.Tensor, inp: torch.Tensor, splits: tuple[list, list], group, kind: str,
               chunk: int):
@@ -82,29 +130,38 @@ class Recorder:
                                       group=group, async_op=True)
         _event("issue", kind, self.layer, chunk, t0, t0)
         base = kind.removesuffix("_bwd")
+        deadline = None if self.link is None else self.deadline(t0, inp, splits, group)
 
         def done(_fut, t0=t0):
-            t1 = time.perf_counter()
+            t1 = time.perf_counter() if deadline is None else max(time.perf_counter(), deadline)
             with self._lock:
                 self.totals[f"{base}_s"] += t1 - t0
             _event("done", kind, self.layer, chunk, t0, t1)
 
         work.get_future().add_done_callback(done)
-        return (work, kind, chunk)
+        return (work, kind, chunk, deadline)
 
     def wait(self, handle) -> None:
-        work, kind, chunk = handle
+        work, kind, chunk, deadline = handle
         t0 = time.perf_counter()
         work.wait()
         t1 = time.perf_counter()
+        if deadline is not None and t1 < deadline:
+            time.sleep(deadline - t1)
+            t1 = time.perf_counter()
         with self._lock:
             self.totals[f"{kind.removesuffix('_bwd')}_wait_s"] += t1 - t0
         _event("wait", kind, self.layer, chunk, t0, t1)
 
-    def blocking(self, seconds: float) -> None:
-        """The plan's synchronous counts exchange (every rank arrives there before any data moves)."""
+    def blocking(self, t0: float, remote_bytes: int) -> None:
+        """The plan's synchronous counts exchange, started at ``t0`` and just returned (every rank
+        arrives there before any data moves); the emulated link holds it to its deadline too."""
+        t1 = time.perf_counter()
+        if self.link is not None and t1 < t0 + self.link.seconds(remote_bytes):
+            time.sleep(t0 + self.link.seconds(remote_bytes) - t1)
+            t1 = time.perf_counter()
         with self._lock:
-            self.totals["sync_wait_s"] += seconds
+            self.totals["sync_wait_s"] += t1 - t0
 
     @contextlib.contextmanager
     def compute(self, kind: str, chunk: int):

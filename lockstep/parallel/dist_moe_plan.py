@@ -154,7 +154,7 @@ def _chunk_plan(kept_c: torch.Tensor, assignment: torch.Tensor, rank: int, ep: i
 def make_plan(indices: torch.Tensor, n_chunks: int, n_local: int, group, capacity_factor: float,
               recorder, dtype: torch.dtype = torch.float32) -> Plan:
     """The layout of ``indices [N, k]`` (global expert ids) for experts computing in ``dtype``;
-    ``recorder.blocking`` gets the time of the blocking counts gather (module docstring)."""
+    ``recorder.blocking`` gets the blocking counts gather (module docstring)."""
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
     n_tokens, k = indices.shape
     n_experts = ep * n_local
@@ -167,7 +167,7 @@ def make_plan(indices: torch.Tensor, n_chunks: int, n_local: int, group, capacit
     gathered = torch.empty(ep * mine.numel(), dtype=torch.int64)
     t0 = time.perf_counter()
     _all_gather(gathered, mine, group)
-    recorder.blocking(time.perf_counter() - t0)
+    recorder.blocking(t0, (ep - 1) * mine.numel() * mine.element_size())
     gathered = gathered.view(ep, -1)
     counts = gathered[:, :-1].reshape(ep, C, n_experts)
     if capacity_factor > 0:

@@ -6,8 +6,9 @@ experts, top-2; deepseek_v3 with a shared expert and sigmoid routing), fp32 and 
 
 Bitwise claims (``torch.equal``): ep_chunks 2 and 4 vs 1 (losses of 2 AdamW steps, every gradient
 of step 0, every rank), no-drop vs a capacity factor large enough that nothing drops, no-drop vs the
-synchronous uneven exchange (ep_chunks=0, fp32; measured equal, see its test), and ep_chunks=4 with
-and without full activation checkpointing. Drops: a known small example and the same input twice
+synchronous uneven exchange (ep_chunks=0, fp32; measured equal, see its test), ep_chunks=4 with
+and without full activation checkpointing, and ep_chunks 1 and 4 with and without the emulated link
+(``LOCKSTEP_EP_LINK_EMULATION``; its waits must cover the emulated latency). Drops: a known small example and the same input twice
 give the same drop set. A plan's layout: only real rows on the wire, split sizes agreeing between
 ranks, owner groups padded only up to 16 rows. A recorded timeline shows the overlap's order; a
 short ``lockstep train`` run shows the metrics and manifest entry.
@@ -28,13 +29,14 @@ from lockstep.models.common.transformer import build_model
 from lockstep.models.registry import model_config
 from lockstep.parallel.checkpointing import apply_activation_checkpointing
 from lockstep.parallel.dist_moe import DistMoE
-from lockstep.parallel.dist_moe_ops import Recorder, record_timeline
+from lockstep.parallel.dist_moe_ops import LINK_ENV, Recorder, record_timeline
 from lockstep.parallel.dist_moe_plan import make_plan
 from lockstep.parallel.expert import apply_expert_parallel, sync_expert_parallel_grads
 
 STEPS = 2
 FAMILIES = ("qwen3_moe", "deepseek_v3")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LINK_LATENCY_S = 0.005  # emulated per-exchange latency: far above a debug-model exchange's real wait
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
 
 
@@ -115,9 +117,10 @@ def _worker(rank, world, init_file, out_dir):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=120))
     res = {"overlap": {}, "capacity": {}, "legacy": {}}
+    bases = {}
     for family in FAMILIES:
         for dname, dtype in DTYPES.items():
-            base = _train(family, dtype, 1)
+            base = bases[family, dname] = _train(family, dtype, 1)
             for chunks in (2, 4):
                 run = _train(family, dtype, chunks, timeline=(family, dname, chunks) == ("qwen3_moe", "fp32", 4))
                 res["overlap"][family, dname, chunks] = _same(base, run)
@@ -130,6 +133,15 @@ def _worker(rank, world, init_file, out_dir):
                 legacy = _train(family, dtype, 0)
                 assert legacy["dist_moe"]
                 res["legacy"][family] = _max_diff(base, legacy)
+    # an emulated link of 5 ms latency and 1 TB/s: only sleeps are added, so the bits stay
+    os.environ[LINK_ENV] = f"{LINK_LATENCY_S * 1e6:g},1e6"
+    try:
+        linked = {c: _train("qwen3_moe", torch.float32, c, timeline=True) for c in (1, 4)}
+    finally:
+        del os.environ[LINK_ENV]
+    res["link_same"] = {c: _same(bases["qwen3_moe", "fp32"], run) for c, run in linked.items()}
+    res["link_metrics"] = linked[1]["metrics"]
+    res["link_events"] = {c: run["events"] for c, run in linked.items()}
     # drops: twice the same input, the same drop set; a known small example
     drops = [_train("qwen3_moe", torch.float32, 2, capacity_factor=0.5) for _ in range(2)]
     res["drop_repeat"] = _same(*drops)
@@ -185,6 +197,29 @@ def test_activation_checkpointing_is_bitwise_equal(results):
     _, ranks = results
     for res in ranks:
         assert all(res["checkpoint"].values()) and len(res["checkpoint"]) == len(FAMILIES), res["checkpoint"]
+
+
+def test_emulated_link_keeps_bits_and_shows_in_the_waits(results):
+    """Under LOCKSTEP_EP_LINK_EMULATION (5 ms per exchange): ep_chunks 1 and 4 bitwise equal to
+    ep_chunks 1 without it; in the recorded timeline (step 0) no exchange's wait returns before its
+    issue + 5 ms. With ep_chunks=1 almost nothing runs between issue and wait, so the exposed-wait
+    metric holds most of the latency: at least half of exchanges x 5 ms (2 layers: step 0's forward
+    2 x 2 exchanges; step 1's report 2 x 4 with step 0's backward; half, because a loaded host may
+    deschedule the main thread between issue and wait), and the plan's blocking gather (one per
+    layer and forward) a full latency each."""
+    _, ranks = results
+    for res in ranks:
+        assert res["link_same"] == {1: True, 4: True}, res["link_same"]
+        for chunks, events in res["link_events"].items():
+            issue = {(k, layer, c): t0 for e, k, layer, c, t0, _ in events if e == "issue"}
+            waited = {(k, layer, c): t1 for e, k, layer, c, _, t1 in events if e == "wait"}
+            assert sorted(issue) == sorted(waited) and len(issue) == 2 * 4 * chunks, (chunks, sorted(issue))
+            late = [key for key in issue if waited[key] < issue[key] + LINK_LATENCY_S]
+            assert not late, (chunks, late)
+        first, second = res["link_metrics"]
+        for m, exchanges in ((first, 4), (second, 8)):
+            assert m["moe/dispatch_wait_s"] + m["moe/combine_wait_s"] >= exchanges * LINK_LATENCY_S / 2, m
+            assert m["moe/sync_wait_s"] >= 2 * LINK_LATENCY_S, m
 
 
 def test_drops_are_deterministic_and_counted(results):

@@ -6,6 +6,7 @@ from lockstep.config.base import ConfigError
 from lockstep.models.registry import model_config
 from lockstep.parallel.dims import ParallelConfig
 from lockstep.parallel.dist_moe import describe_dispatch, make_dist_moe
+from lockstep.parallel.dist_moe_ops import LINK_ENV, EmulatedLink, emulated_link, remote_bytes
 
 
 @pytest.mark.parametrize("fields, name", [({"ep_chunks": -1}, "parallel.ep_chunks"),
@@ -35,3 +36,18 @@ def test_refuses_expert_biases_and_bad_values():
         make_dist_moe(moe, 0, 2, 0.0, None)
     with pytest.raises(ConfigError, match="parallel.ep_chunks"):
         make_dist_moe(moe, 0, 0, 0.0, None)
+
+
+def test_emulated_link_reads_its_variable_and_counts_remote_bytes(monkeypatch):
+    monkeypatch.delenv(LINK_ENV, raising=False)
+    assert emulated_link() is None
+    monkeypatch.setenv(LINK_ENV, "50,100")
+    link = emulated_link()
+    assert link == EmulatedLink(50e-6, 100e6)
+    # rank 1 receives 3 + 5 remote rows and sends 2 + 7: the larger side (9 rows of 1 KiB) crosses its link
+    assert remote_bytes(([3, 4, 5], [2, 6, 7]), 1, 1024) == 9 * 1024
+    assert link.seconds(9 * 1024) == 50e-6 + 9 * 1024 / 100e6
+    for bad in ("50", "fast,100", "50,0", "-1,100"):
+        monkeypatch.setenv(LINK_ENV, bad)
+        with pytest.raises(ConfigError, match=LINK_ENV):
+            emulated_link()
