@@ -33,6 +33,13 @@ between issuing the exchange and waiting on it does not cover, summed over a ste
 synchronous path's too: it waits right away), mean over ranks. Measured on the thread's CPU clock, so
 being descheduled by other jobs does not count; peers are taken to be as fast (no skew). It shows
 how much link time the chunk pipeline's schedule hides, not what this host's gloo transfers cost.
+
+``--link-emulate LATENCY_US,MB_PER_S`` measures such a link in wall-clock time instead: it sets
+``LOCKSTEP_EP_LINK_EMULATION`` (:func:`lockstep.parallel.dist_moe_ops.emulated_link`), under which
+every Dist-MoE exchange completes no earlier than its issue + latency + remote bytes / bandwidth
+(``wait`` sleeps until then after gloo's own wait: the link's time, not its CPU cost -- gloo's copies
+still run on the cores). The exposed-communication and step-time columns then include that link;
+the ep_chunks 0 rows are left out (the synchronous exchange is not emulated).
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ import torch.nn.functional as F
 
 from lockstep.models.common.transformer import build_model
 from lockstep.models.registry import model_config
-from lockstep.parallel.dist_moe_ops import record_timeline
+from lockstep.parallel.dist_moe_ops import LINK_ENV, emulated_link, record_timeline
 from lockstep.parallel.expert import apply_expert_parallel, sync_expert_parallel_grads
 
 ROUTINGS = ("learned", "forced_balanced")
@@ -169,7 +176,8 @@ def _worker(rank, world, args, init_file, out_file):
                             timeout=datetime.timedelta(seconds=600))
     if args.link_mb_per_s > 0:
         _model_link(args.link_mb_per_s * 1e6, args.link_latency_us * 1e-6)
-    configs = [(r, c, 0.0) for r in args.routings.split(",") for c in (0, 1, args.chunks)]
+    chunk_counts = (1, args.chunks) if args.link_emulate else (0, 1, args.chunks)
+    configs = [(r, c, 0.0) for r in args.routings.split(",") for c in chunk_counts]
     if args.capacity_factor > 0:
         configs.append(("learned", args.chunks, args.capacity_factor))
     rows: dict = {k: [] for k in configs}
@@ -201,8 +209,14 @@ def main() -> None:
     p.add_argument("--link-mb-per-s", type=float, default=0.0,
                    help="model a link of this many MB/s that costs no CPU (module docstring); 0: off")
     p.add_argument("--link-latency-us", type=float, default=50.0, help="the modelled link's latency per exchange")
+    p.add_argument("--link-emulate", default="", metavar="LATENCY_US,MB_PER_S",
+                   help="an emulated link under every Dist-MoE exchange, in wall-clock time (module docstring)")
     args = p.parse_args()
     link = f", modelled link {args.link_mb_per_s:g} MB/s + {args.link_latency_us:g} us" if args.link_mb_per_s else ""
+    if args.link_emulate:
+        os.environ[LINK_ENV] = args.link_emulate  # the ranks inherit it; every Dist-MoE layer reads it when built
+        emulated = emulated_link()
+        link += f", emulated link {emulated.latency_s * 1e6:g} us + remote bytes / {emulated.bytes_per_s / 1e6:g} MB/s"
     print(f"qwen3_moe {args.flavor}, {args.dtype}, per rank {args.batch} x {args.seq} tokens, "
           f"{args.threads} thread(s) per rank, host CPUs {os.cpu_count()}, torch {torch.__version__}{link}")
     print("| world | routing | ep_chunks | capacity | tokens/s | step s | CPU s/step | modelled exposed s/step "
