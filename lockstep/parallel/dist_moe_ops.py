@@ -18,8 +18,10 @@ mechanics:
   + latency + remote bytes / bandwidth, in real time: after gloo's own wait, ``wait`` sleeps until
   that deadline. Sleeping costs no CPU, as a NIC / NVLink copy engine costs the host none; gloo's
   loopback copies still run on the cores. Remote bytes: the larger of the rows this rank sends to
-  and receives from other ranks (a full-duplex link per rank), times the row size. The plan's
-  blocking counts gather gets the same deadline. Numerics are untouched; unset, nothing changes.
+  and receives from other ranks (a full-duplex link per rank), times the row size; the rank's
+  exchanges queue on its one link (a dispatch and a combine in flight together share its
+  bandwidth), so the deadline is ``max(issue, link free) + bytes / bandwidth + latency``. The plan's
+  blocking counts gather uses the link too. Numerics are untouched; unset, nothing changes.
 
 Bits. The owner computes each local expert's rows of a chunk as one group of
 ``torch._grouped_mm`` (a loop of ``mm`` where that is missing or the strides do not suit it), a group
@@ -72,28 +74,42 @@ def _event(event: str, kind: str, layer: int, chunk: int, t0: float, t1: float) 
             _TIMELINE.append((event, kind, layer, chunk, t0, t1))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class EmulatedLink:
-    """A link that costs the host no CPU: an exchange takes ``latency_s + remote bytes / bytes_per_s``."""
+    """One rank's link, costing the host no CPU: an exchange's bytes cross it after the ones issued
+    before it (one queue: concurrent exchanges share the bandwidth) at ``bytes_per_s``, and arrive
+    ``latency_s`` after that."""
 
     latency_s: float
     bytes_per_s: float
+    _free_at: float = dataclasses.field(default=0.0, compare=False, repr=False)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, compare=False, repr=False)
 
-    def seconds(self, remote_bytes: int) -> float:
-        return self.latency_s + remote_bytes / self.bytes_per_s
+    def deadline(self, t0: float, nbytes: int) -> float:
+        """When an exchange of ``nbytes`` remote bytes issued at ``t0`` completes (queued behind the
+        earlier ones)."""
+        with self._lock:
+            self._free_at = max(t0, self._free_at) + nbytes / self.bytes_per_s
+            return self._free_at + self.latency_s
+
+
+_LINKS: dict[str, EmulatedLink] = {}
 
 
 def emulated_link() -> EmulatedLink | None:
-    """The link ``LOCKSTEP_EP_LINK_EMULATION="LATENCY_US,MB_PER_S"`` asks for (module docstring); None if unset."""
+    """This process's link as ``LOCKSTEP_EP_LINK_EMULATION="LATENCY_US,MB_PER_S"`` asks for (module
+    docstring; every layer gets the same one); None if unset."""
     spec = os.environ.get(LINK_ENV)
     if not spec:
         return None
-    try:
-        latency_us, mb_per_s = (float(v) for v in spec.split(","))
-    except ValueError:
-        raise ConfigError(f"{LINK_ENV}: expected 'LATENCY_US,MB_PER_S', got {spec!r}") from None
-    require(latency_us >= 0 and mb_per_s > 0, LINK_ENV, f"needs latency >= 0 and bandwidth > 0, got {spec!r}")
-    return EmulatedLink(latency_us / 1e6, mb_per_s * 1e6)
+    if spec not in _LINKS:
+        try:
+            latency_us, mb_per_s = (float(v) for v in spec.split(","))
+        except ValueError:
+            raise ConfigError(f"{LINK_ENV}: expected 'LATENCY_US,MB_PER_S', got {spec!r}") from None
+        require(latency_us >= 0 and mb_per_s > 0, LINK_ENV, f"needs latency >= 0 and bandwidth > 0, got {spec!r}")
+        _LINKS[spec] = EmulatedLink(latency_us / 1e6, mb_per_s * 1e6)
+    return _LINKS[spec]
 
 
 def remote_bytes(splits: tuple[list, list], rank: int, row_bytes: int) -> int:
@@ -119,7 +135,7 @@ class Recorder:
     def deadline(self, t0: float, inp: torch.Tensor, splits: tuple[list, list], group) -> float:
         """When the emulated link lets an exchange of ``inp``'s rows, issued at ``t0``, complete."""
         row_bytes = inp[0].numel() * inp.element_size() if inp.shape[0] else 0
-        return t0 + self.link.seconds(remote_bytes(splits, dist.get_rank(group), row_bytes))
+        return self.link.deadline(t0, remote_bytes(splits, dist.get_rank(group), row_bytes))
 
     def issue(self, out: torch.Tensor, inp: torch.Tensor, splits: tuple[list, list], group, kind: str,
               chunk: int):
@@ -153,12 +169,14 @@ class Recorder:
             self.totals[f"{kind.removesuffix('_bwd')}_wait_s"] += t1 - t0
         _event("wait", kind, self.layer, chunk, t0, t1)
 
-    def blocking(self, t0: float, remote_bytes: int) -> None:
-        """The plan's synchronous counts exchange, started at ``t0`` and just returned (every rank
-        arrives there before any data moves); the emulated link holds it to its deadline too."""
+    def blocking(self, t0: float, nbytes: int) -> None:
+        """The plan's synchronous counts exchange of ``nbytes`` remote bytes, started at ``t0`` and
+        just returned (every rank arrives there before any data moves); the emulated link holds it
+        to its deadline too."""
         t1 = time.perf_counter()
-        if self.link is not None and t1 < t0 + self.link.seconds(remote_bytes):
-            time.sleep(t0 + self.link.seconds(remote_bytes) - t1)
+        deadline = None if self.link is None else self.link.deadline(t0, nbytes)
+        if deadline is not None and t1 < deadline:
+            time.sleep(deadline - t1)
             t1 = time.perf_counter()
         with self._lock:
             self.totals["sync_wait_s"] += t1 - t0

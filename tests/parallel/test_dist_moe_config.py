@@ -46,7 +46,12 @@ def test_emulated_link_reads_its_variable_and_counts_remote_bytes(monkeypatch):
     assert link == EmulatedLink(50e-6, 100e6)
     # rank 1 receives 3 + 5 remote rows and sends 2 + 7: the larger side (9 rows of 1 KiB) crosses its link
     assert remote_bytes(([3, 4, 5], [2, 6, 7]), 1, 1024) == 9 * 1024
-    assert link.seconds(9 * 1024) == 50e-6 + 9 * 1024 / 100e6
+    assert emulated_link() is link  # one link per process: every layer queues on it
+    # exchanges queue: the second, issued while the first is on the wire, starts when it is done
+    free = 10.0 + 9 * 1024 / 100e6
+    assert link.deadline(10.0, 9 * 1024) == free + 50e-6
+    assert link.deadline(10.0, 1000) == free + 1000 / 100e6 + 50e-6
+    assert link.deadline(20.0, 0) == 20.0 + 50e-6  # idle link: issue + latency
     for bad in ("50", "fast,100", "50,0", "-1,100"):
         monkeypatch.setenv(LINK_ENV, bad)
         with pytest.raises(ConfigError, match=LINK_ENV):
