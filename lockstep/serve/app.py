@@ -6,7 +6,8 @@
 tokenises the prompt (the chat template of the model's tokenizer for chat), checks it against the
 context (``prompt + max_tokens`` <= ``min(model.max_seq_len, KV-cache tokens)``), submits it and
 answers the whole response or a server-sent-event stream (``data: {chunk}`` lines, then
-``data: [DONE]``). Errors use OpenAI's JSON shape: 400 bad request (naming the field), 429 queue
+``data: [DONE]``). Chat image parts are checked and decoded by :mod:`lockstep.serve.images` (off the
+event loop) and handed to the engine as ``Request.images`` beside the rendered prompt. Errors use OpenAI's JSON shape: 400 bad request (naming the field), 429 queue
 full, 503 shutting down / engine failed. ``GET /stats`` returns the loop's counters, ``GET /health``
 200 while the engine loop runs.
 """
@@ -24,6 +25,7 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lockstep.generate.config import Request
+from lockstep.serve.images import ImageLimits, image_refusal, load_images
 from lockstep.serve.loop import EngineLoop, Failure, Handle, QueueFull, ServableEngine, TokenEvent, Unavailable
 from lockstep.serve.protocol import ApiError, ChatBody, CompletionBody, parse_body
 from lockstep.serve.responses import Formatter, Prepared
@@ -51,7 +53,7 @@ class Server:
 
     def __init__(self, engine: ServableEngine, *, model_name: str, chat_template: Any = None,
                  stop_token_ids: list[int] | None = None, max_batch_size: int = 32, max_queue: int = 64,
-                 default_chat_tokens: int = DEFAULT_CHAT_TOKENS) -> None:
+                 default_chat_tokens: int = DEFAULT_CHAT_TOKENS, image_limits: ImageLimits | None = None) -> None:
         if engine.tokenizer is None:
             raise ValueError("serve: the engine needs a tokenizer (text in, text out)")
         self.engine, self.tokenizer, self.chat_template = engine, engine.tokenizer, chat_template
@@ -62,6 +64,9 @@ class Server:
         self.vocab_size = getattr(engine, "vocab_size", None)
         self.eos_id = getattr(engine, "eos_id", None)
         self.created = int(time.time())
+        self.image_limits = image_limits or ImageLimits()
+        #: None when the engine takes images (chat image parts), else why not
+        self.image_refusal = image_refusal(engine)
 
     # ------------------------------------------------------------------ request preparation
 
@@ -115,7 +120,8 @@ class Server:
         if self.chat_template is None:
             raise ApiError(400, "messages: this model's tokenizer has no chat template; use /v1/completions, or "
                                 "start the server with --chat-template FILE", "messages")
-        messages = body.plain_messages()
+        messages = body.template_messages()
+        images = self._images(messages) if body.image_count else None
         try:
             text = self.chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
         except ValueError as err:  # ConfigError from the template (raise_exception, bad roles)
@@ -132,9 +138,19 @@ class Server:
         prep = Prepared("chat", model, ids, top, body.logprobs, body.return_token_ids,
                         bool(body.stream_options and body.stream_options.include_usage), self._stop_ids(body),
                         body.stop_list(), stream=body.stream)
-        return prep, self._request(prep, body, max_new)
+        return prep, self._request(prep, body, max_new, images)
 
-    def _request(self, prep: Prepared, body: Any, max_new: int) -> Request:
+    def _images(self, messages: list[dict[str, Any]]) -> list[Any]:
+        """The decoded images of the image parts (:mod:`lockstep.serve.images`), or a 400 when the engine
+        takes none. With images, the prompt's length after the engine expands each image's placeholder
+        is checked by the engine (a 400 too), and ``max_tokens`` is capped at the context's room."""
+        if self.image_refusal is not None:
+            i, j = next((i, j) for i, m in enumerate(messages) if not isinstance(m["content"], str)
+                        for j, p in enumerate(m["content"]) if p["type"] == "image_url")
+            raise ApiError(400, f"messages[{i}].content[{j}]: {self.image_refusal}", f"messages[{i}].content")
+        return load_images(messages, self.image_limits)
+
+    def _request(self, prep: Prepared, body: Any, max_new: int, images: list[Any] | None = None) -> Request:
         if prep.top_logprobs and not self.loop.supports_top_logprobs:
             field = "logprobs" if prep.kind == "completion" else "top_logprobs"
             raise ApiError(400, f"{field}: this engine returns only the chosen token's log-probability (use 0)",
@@ -145,7 +161,7 @@ class Server:
             sampling.validate("sampling")
         except ValueError as err:
             raise ApiError(400, str(err).removeprefix("sampling."), None) from None
-        return Request(prompt_ids=prep.prompt_ids, sampling=sampling, request_id=prep.response_id)
+        return Request(prompt_ids=prep.prompt_ids, sampling=sampling, request_id=prep.response_id, images=images)
 
     # ------------------------------------------------------------------ running
 
@@ -233,11 +249,13 @@ async def _stream(server: Server, handle: Handle, fmt: Formatter, first: TokenEv
 
 def create_app(engine: ServableEngine, *, model_name: str = "lockstep", chat_template: Any = None,
                stop_token_ids: list[int] | None = None, max_batch_size: int = 32, max_queue: int = 64,
-               default_chat_tokens: int = DEFAULT_CHAT_TOKENS) -> FastAPI:
+               default_chat_tokens: int = DEFAULT_CHAT_TOKENS, image_limits: ImageLimits | None = None) -> FastAPI:
     """The OpenAI-compatible app over ``engine`` (see the module docstring). ``app.state.server`` is
-    the :class:`Server` (its ``loop.stats`` holds the batching counters)."""
+    the :class:`Server` (its ``loop.stats`` holds the batching counters). ``image_limits``: what chat
+    image parts may hold (:mod:`lockstep.serve.images`; default: no ``file://`` URLs)."""
     server = Server(engine, model_name=model_name, chat_template=chat_template, stop_token_ids=stop_token_ids,
-                    max_batch_size=max_batch_size, max_queue=max_queue, default_chat_tokens=default_chat_tokens)
+                    max_batch_size=max_batch_size, max_queue=max_queue, default_chat_tokens=default_chat_tokens,
+                    image_limits=image_limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -289,7 +307,10 @@ def create_app(engine: ServableEngine, *, model_name: str = "lockstep", chat_tem
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest) -> Any:
         body = parse_body(ChatBody, await body_of(http))
-        prep, request = server.prepare_chat(body)
+        if body.image_count:  # decoding images takes a while: not on the event loop
+            prep, request = await asyncio.to_thread(server.prepare_chat, body)
+        else:
+            prep, request = server.prepare_chat(body)
         return await run(prep, request, http)
 
     @app.get("/v1/models")

@@ -2,11 +2,14 @@
 
     lockstep serve --checkpoint DIR [--host 127.0.0.1] [--port 8000] [--engine lockstep|vllm]
                    [--max-batch-size 32] [--max-queue 64] [--cache-mb 512] [--served-model-name NAME]
+                   [--allowed-image-dir DIR] [--max-images-per-request 8] [--max-image-pixels 16777216]
 
 DIR is anything ``lockstep generate`` loads (:mod:`lockstep.load`). Every flag is checked before the
 model is loaded; a bad one is a ``ConfigError`` naming the flag. ``--engine vllm`` serves a
 :class:`lockstep.vllm.VllmEngine` (vLLM running lockstep's modules) built by
-``lockstep.vllm.build_engine``; it is closed when the server stops.
+``lockstep.vllm.build_engine``; it is closed when the server stops. The image flags bound chat
+image parts (:mod:`lockstep.serve.images`); the engine's image pixel bounds come from the model
+directory's ``preprocessor_config.json``, as for ``lockstep generate --chat --image``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lockstep.config.base import ConfigError
+from lockstep.serve.images import DEFAULT_MAX_IMAGES, DEFAULT_MAX_PIXELS, ImageLimits
 
 ENGINES = ("lockstep", "vllm")
 
@@ -46,6 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--default-max-tokens", type=int, default=1024,
                         help="a chat request's max_tokens when it gives none (capped by the context; the engine "
                              "reserves cache blocks for every request's max_tokens)")
+    parser.add_argument("--allowed-image-dir", default=None, metavar="DIR",
+                        help="chat image parts may name files inside DIR as file:///path URLs (default: none; "
+                             "images come as data:image/...;base64 URLs)")
+    parser.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES,
+                        help="most images in one chat request (one more: 400)")
+    parser.add_argument("--max-image-pixels", type=int, default=DEFAULT_MAX_PIXELS,
+                        help="largest image (width x height) a request may send, checked before decoding (the "
+                             "model's processor then resizes it to its own pixel bounds)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                         help="weight dtype (auto: as stored)")
     parser.add_argument("--device", default="auto", help="auto (CUDA when available), cpu or cuda")
@@ -72,12 +84,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--step: must be >= 0, got {args.step}")
     if args.served_model_name is not None and not args.served_model_name.strip():
         raise ConfigError("--served-model-name: must not be empty")
+    image_limits(args).validate()
     if args.engine == "vllm":
         vllm_factory()  # a missing lockstep.vllm shows now, before loading the model
     from lockstep.run.config import validate_device
 
     validate_device(args.device, "--device")
     return args
+
+
+def image_limits(args: argparse.Namespace) -> ImageLimits:
+    """The image flags as :class:`~lockstep.serve.images.ImageLimits`."""
+    allowed = Path(args.allowed_image_dir).expanduser() if args.allowed_image_dir is not None else None
+    return ImageLimits(max_images=args.max_images_per_request, max_pixels=args.max_image_pixels, allowed_dir=allowed)
 
 
 def vllm_factory() -> Any:
@@ -99,11 +118,15 @@ def vllm_factory() -> Any:
     return factory
 
 
-def build_engine(kind: str, model: Any, tokenizer: Any, *, cache_mb: float, max_batch_size: int) -> Any:
-    """The engine ``--engine`` names, over an already-loaded model."""
+def build_engine(kind: str, model: Any, tokenizer: Any, *, cache_mb: float, max_batch_size: int,
+                 model_dir: str | Path | None = None) -> Any:
+    """The engine ``--engine`` names, over an already-loaded model (``model_dir``: where its
+    ``preprocessor_config.json`` gives the image pixel bounds, if it has one)."""
     from lockstep.generate import Engine, EngineConfig
+    from lockstep.generate.vision import image_pixel_bounds
 
-    config = EngineConfig(cache_memory_mb=cache_mb, max_batch_size=max_batch_size)
+    bounds = image_pixel_bounds(model_dir) if model_dir is not None else {}
+    config = EngineConfig(cache_memory_mb=cache_mb, max_batch_size=max_batch_size, **bounds)
     if kind == "vllm":
         return vllm_factory()("vllm", model, tokenizer, config)
     return Engine(model, tokenizer, config)
@@ -119,11 +142,12 @@ def cmd_serve(argv: list[str]) -> int:
 
     source = _load(args, need_template=False)
     engine = build_engine(args.engine, source.model, source.tokenizer, cache_mb=args.cache_mb,
-                          max_batch_size=args.max_batch_size)
+                          max_batch_size=args.max_batch_size, model_dir=source.path)
     name = args.served_model_name or Path(args.checkpoint).expanduser().name or str(args.checkpoint)
     app = create_app(engine, model_name=name, chat_template=source.chat_template,
                      stop_token_ids=source.stop_token_ids, max_batch_size=args.max_batch_size,
-                     max_queue=args.max_queue, default_chat_tokens=args.default_max_tokens)
+                     max_queue=args.max_queue, default_chat_tokens=args.default_max_tokens,
+                     image_limits=image_limits(args))
     print(f"lockstep serve: {source.description} as {name!r} ({args.engine} engine) on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
     run_server(app, args.host, args.port, args.log_level)

@@ -127,10 +127,18 @@ class CompletionBody(_Common):
         return prompt  # type: ignore[return-value]
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    url: str
+    #: OpenAI's resolution hint; the model's processor decides the resolution here
+    detail: Literal["auto", "low", "high"] = "auto"
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class Message(BaseModel):
@@ -138,18 +146,42 @@ class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
-    def text(self, where: str) -> str:
+    @property
+    def image_count(self) -> int:
+        return 0 if not isinstance(self.content, list) else sum(p.type == "image_url" for p in self.content)
+
+    def text(self) -> str:
+        """The text parts joined (image parts left out)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        parts = []
+        return "".join(p.text or "" for p in self.content if p.type == "text")
+
+    def template_content(self, where: str) -> str | list[dict[str, Any]]:
+        """What the chat template gets: a string (text parts joined, as before images), or with image
+        parts the list of parts (the template writes each image's placeholder)."""
+        if not isinstance(self.content, list):
+            return self.text()
         for i, part in enumerate(self.content):
-            if part.type != "text" or part.text is None:
-                raise ApiError(400, f"{where}.content[{i}]: only text parts are supported, got type {part.type!r}",
-                               f"{where}.content")
-            parts.append(part.text)
-        return "".join(parts)
+            field = f"{where}.content[{i}]"
+            if part.type == "text" and part.text is None:
+                raise ApiError(400, f"{field}.text: a text part needs its text", f"{field}.text")
+            if part.type == "image_url":
+                if part.image_url is None:
+                    raise ApiError(400, f"{field}.image_url: an image_url part needs image_url.url",
+                                   f"{field}.image_url")
+                if self.role != "user":
+                    raise ApiError(400, f"{field}: image parts are taken in user messages only (this one is "
+                                        f"{self.role!r})", field)
+            elif part.type != "text":
+                raise ApiError(400, f"{field}: only text and image_url parts are supported, got type {part.type!r}",
+                               field)
+        if not self.image_count:
+            return self.text()
+        return [{"type": "text", "text": p.text} if p.type == "text" else
+                {"type": "image_url", "image_url": {"url": p.image_url.url}}  # type: ignore[union-attr]
+                for p in self.content]
 
 
 class ChatBody(_Common):
@@ -179,9 +211,15 @@ class ChatBody(_Common):
                 raise ApiError(400, "continue_final_message: the last message must be the assistant's",
                                "continue_final_message")
 
-    def plain_messages(self) -> list[dict[str, str]]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(f"messages[{i}]")}
-                for i, m in enumerate(self.messages)]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (``developer`` as ``system``); content parts
+        checked, kept as a list only where images are (:meth:`Message.template_content`)."""
+        return [{"role": "system" if m.role == "developer" else m.role,
+                 "content": m.template_content(f"messages[{i}]")} for i, m in enumerate(self.messages)]
+
+    @property
+    def image_count(self) -> int:
+        return sum(m.image_count for m in self.messages)
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -144,8 +144,8 @@ class Formatter:
         """One chunk for ``events`` (one or more tokens); None when there is nothing to send."""
         text = "".join(e.event.text for e in events)
         last = events[-1].event
-        if not text and not last.finished and not self.prep.want_logprobs:
-            return None
+        if not text and not last.finished and not self.prep.want_logprobs and not self.prep.return_token_ids:
+            return None  # (a token without text still carries its id when the client asked for ids)
         choice: dict[str, Any] = {"index": 0, "logprobs": self.logprobs(events),
                                   "finish_reason": _finish(last.finish_reason) if last.finished else None}
         if self.prep.kind == "completion":
