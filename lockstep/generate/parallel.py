@@ -41,8 +41,11 @@ so every rank's scheduler sees the same tokens whatever the ranks' float roundin
 DTensor redistributions and collectives of every layer: not done), ``weights_dtype`` other than
 "model" (the cast shadow copy is a deep copy of plain modules, not of DTensor parameters with their
 parallel hooks) and ``speculative`` (the MTP draft path is not sharded) are ConfigErrors naming the
-field, and so is batch-invariant mode under TP (its C linear takes plain tensors, not DTensors);
-under EP it runs, bitwise equal to one process in the tested cases. ``pack_weights`` is silently
+field. Batch-invariant mode runs under both: under TP each rank runs the invariant kernels on its
+local shards and row-parallel partials are summed in rank order
+(:class:`lockstep.ops.batch_invariant.OrderedSum`), so a TP generator's log-probabilities equal a
+trainer's of the same TP degree bit for bit (docs/numerics.md says which layout pairs agree); under
+EP it is bitwise equal to one process in the tested cases. ``pack_weights`` is silently
 off, as under FSDP (:func:`lockstep.generate.packed.packable` refuses DTensor parameters). Refused
 layouts: tp and ep together, linear-attention (hybrid) models, DeepSeek-V3.2's indexer and V4's
 compressed attention under TP (errors name the field).
@@ -59,7 +62,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate.config import EngineConfig, Request
 from lockstep.generate.engine import Engine
@@ -248,10 +250,8 @@ def share_requests(requests: list[Request] | None, group: dist.ProcessGroup | No
     return box[0]
 
 
-def check_group_engine_config(config: EngineConfig, tp: int = 1, field: str = "engine") -> None:
+def check_group_engine_config(config: EngineConfig, field: str = "engine") -> None:
     """Refuse the engine options that do not run on a sharded model (module docstring)."""
-    if tp > 1 and config.batch_invariant:
-        raise ConfigError(_BI_UNDER_TP.format(field=f"{field}.batch_invariant"))
     if config.compile_decode != "none":
         raise ConfigError(f"{field}.compile_decode: a tensor/expert-parallel generator runs eager (the compiled "
                           f"step does not trace the layers' DTensor collectives); use compile_decode='none'")
@@ -261,10 +261,6 @@ def check_group_engine_config(config: EngineConfig, tp: int = 1, field: str = "e
     if config.speculative != "none":
         raise ConfigError(f"{field}.speculative: MTP speculative decoding is not sharded for tensor/expert-parallel "
                           f"generators; use speculative='none'")
-
-
-_BI_UNDER_TP = ("{field}: batch-invariant mode does not run tensor-parallel generators (its C linear takes "
-                "plain tensors, not the DTensors of the TP layers); expert-parallel (ep) generators do")
 
 
 class GroupEngine(Engine):
@@ -277,13 +273,8 @@ class GroupEngine(Engine):
             raise TypeError("GroupEngine needs a model sharded by lockstep.generate.parallel.shard_for_generation")
         config = config or EngineConfig()
         config.validate()
-        check_group_engine_config(config, self.group.tp)
+        check_group_engine_config(config)
         super().__init__(model, tokenizer, config)
-
-    def _prepare(self) -> None:
-        if self.group.tp > 1 and numerics.is_batch_invariant():  # the process-wide switch (engine.batch_invariant=None)
-            raise ConfigError(_BI_UNDER_TP.format(field="numerics.batch_invariant"))
-        super()._prepare()
 
     def _draw(self, seqs, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample as one process would, then take group rank 0's tokens and log-probabilities."""

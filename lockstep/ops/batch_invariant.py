@@ -40,7 +40,9 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lockstep.ops import bi_kernel, decode_linear
 from lockstep.ops.attention import BATCH_INVARIANT, register_attention_backend, with_sink_key
@@ -133,12 +135,80 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(weight, DTensor):
+        return _sharded_linear(x, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _TiledLinear.apply(x, weight, bias)
     out = _weight_matmul(x.reshape(-1, x.shape[-1]), weight)  # no autograd node: same forward
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class OrderedSum(Partial):
+    """A pending sum over a 1-D mesh reduced in rank order: every rank all-gathers the partials and
+    adds them ``((p0 + p1) + p2) + ...``, so the bits do not depend on the backend's ring or tree
+    order (NCCL's depends on the rank count and message size; at 2 ranks every order is ``a + b``).
+    A row-parallel batch-invariant linear's output carries it; the TP styles' output hooks reduce it
+    (to ``Replicate``, or to ``Shard`` with sequence parallelism: the same sum, then this rank's chunk)."""
+
+    def __init__(self) -> None:
+        super().__init__("sum")
+
+    def _reduce_value(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.Tensor:
+        group = mesh.get_group(mesh_dim)
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        out = parts[0]
+        for part in parts[1:]:
+            out = out + part
+        return out
+
+    def _reduce_shard_value(self, tensor: torch.Tensor, mesh, mesh_dim: int, shard_spec) -> torch.Tensor:
+        whole = self._reduce_value(tensor, mesh, mesh_dim)
+        return whole.chunk(mesh.size(mesh_dim), dim=shard_spec.dim)[mesh.get_local_rank(mesh_dim)].contiguous()
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is OrderedSum
+
+    def __hash__(self) -> int:
+        return hash("OrderedSum")
+
+    def __repr__(self) -> str:
+        return "OrderedSum()"
+
+    __str__ = __repr__
+
+
+def _sharded_linear(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The batch-invariant linear of a tensor-parallel layer (a weight on a 1-D mesh, as the TP
+    styles of :mod:`lockstep.parallel` leave it): this module's kernel on the local shards, so each
+    rank computes exactly the rows and columns a one-process call of the local shapes would.
+    Column-parallel (``Shard(0)``): the local output columns, ``Shard(-1)`` -- bitwise the one-process
+    linear's columns, as each output is its own dot product over all of K. Row-parallel
+    (``Shard(1)``): the local partial dot products over this rank's slice of K (the bias joins rank
+    0's), pending an :class:`OrderedSum`. ``x`` is what the style's input hook made: a DTensor
+    (replicated, or sharded on its last dim), or a plain local tensor. Gradients flow as for
+    ``F.linear`` on DTensors."""
+    mesh, placements = weight.device_mesh, tuple(weight.placements)
+    if mesh.ndim != 1 or placements not in ((Shard(0),), (Shard(1),)):
+        raise NotImplementedError(f"batch-invariant linear: a weight sharded {placements} on a {mesh.ndim}-D mesh; "
+                                  "tensor-parallel layers (Shard(0) or Shard(1) on the tp mesh) only")
+    local_bias = None
+    if placements == (Shard(0),):  # column-parallel: the input replicated (its gradient a partial sum)
+        if isinstance(x, DTensor):
+            x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        if bias is not None:
+            local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
+        out = _linear(x, weight.to_local(), local_bias)
+        return DTensor.from_local(out, mesh, [Shard(out.ndim - 1)], run_check=False)
+    if isinstance(x, DTensor):  # row-parallel: the input sharded on its last dim
+        x = x.redistribute(placements=[Shard(x.ndim - 1)]).to_local()
+    if bias is not None:  # on every rank (its gradient path), zero but on rank 0
+        local_bias = bias.to_local(grad_placements=[Partial()]) if isinstance(bias, DTensor) else bias
+        local_bias = local_bias * float(mesh.get_local_rank() == 0)
+    out = _linear(x, weight.to_local(), local_bias)
+    return DTensor.from_local(out, mesh, [OrderedSum()], run_check=False)
 
 
 def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -253,10 +253,8 @@ def test_refused_engine_options_name_the_field(field, value):
         check_group_engine_config(EngineConfig(**{field: value}))
 
 
-def test_batch_invariant_refused_under_tp_only():
-    with pytest.raises(ConfigError, match=r"engine\.batch_invariant: .*tensor-parallel"):
-        check_group_engine_config(EngineConfig(batch_invariant=True), tp=2)
-    check_group_engine_config(EngineConfig(batch_invariant=True), tp=1)  # ep: runs (test above)
+def test_batch_invariant_is_an_accepted_group_engine_option():
+    check_group_engine_config(EngineConfig(batch_invariant=True))  # TP: tests/generate/test_parallel_bi.py
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -1,0 +1,111 @@
+"""Batch-invariant mode under tensor parallelism: the trainer's TP-2 scoring == the TP-2 generator, bitwise.
+
+World 2 (gloo). The generator is :func:`lockstep.generate.parallel.shard_for_generation` (TP without
+sequence parallelism) run by a :class:`GroupEngine` with ``batch_invariant=True``: four greedy
+requests of mixed prompt lengths and a seeded sampled one, ``max_batch_size=2`` (continuous
+batching: requests join as others finish, prefill and decode rows share steps). The trainer is the
+same weights under the trainer's TP rule (:func:`lockstep.parallel.parallelize.apply_dense_tp`:
+sequence parallel, DTensor parameters and activations), scored by
+:func:`lockstep.rl.scoring.score_logprobs` on the finished sequences in one padded batch, with
+gradients on (the RL learner's forward) -- and its backward runs.
+
+Claims, per family (llama3; qwen3 with q/k norms; qwen3_moe with expert TP) and dtype (fp32, bf16):
+the trainer's log-probabilities ``torch.equal`` the engine's; the engine's tokens on both ranks are
+the same. Why it holds: column-parallel layers compute their columns as one process would (each
+output its own dot product over all of K), attention runs per local head, row-parallel partials are
+summed in rank order (:class:`lockstep.ops.batch_invariant.OrderedSum`), and the head's logits are
+whole before the log-softmax on both sides. TP 2 vs one process is not claimed (docs/numerics.md:
+the row-parallel layers split K).
+"""
+
+import datetime
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh
+
+from lockstep import numerics
+from lockstep.generate import EngineConfig, Request, SamplingParams
+from lockstep.generate.parallel import GroupEngine, share_requests, shard_for_generation
+from lockstep.parallel.parallelize import apply_dense_tp
+from lockstep.rl.scoring import score_logprobs
+from tests.generate.conftest import prompts, tiny_model
+
+WORLD = 2
+FAMILIES = ["llama3", "qwen3", "qwen3_moe"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ENGINE = dict(cache_memory_mb=2, block_size=4, max_batch_size=2, pack_weights=False, batch_invariant=True)
+LENGTHS = [3, 9, 12, 6]
+NEW_TOKENS = [5, 3, 4, 5]
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
+
+
+def _requests() -> list[Request]:
+    reqs = [Request(prompt_ids=p, request_id=str(i),
+                    sampling=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(prompts(LENGTHS, seed=3), NEW_TOKENS))]
+    reqs.append(Request(prompt_ids=prompts([4], seed=4)[0], request_id="sampled",
+                        sampling=SamplingParams(temperature=0.8, max_new_tokens=3, seed=11, ignore_eos=True)))
+    return reqs
+
+
+def _case(family: str, dtype: torch.dtype, requests: list[Request], mesh: DeviceMesh) -> dict:
+    generator = shard_for_generation(tiny_model(family).to(dtype), tp=WORLD)
+    done = GroupEngine(generator, None, EngineConfig(**ENGINE)).generate(requests)
+    trainer = tiny_model(family).to(dtype)
+    apply_dense_tp(trainer, mesh)  # the trainer's rule: sequence parallel, DTensor parameters
+    trainer.train()
+    temps = [r.sampling.temperature or 1.0 for r in requests]
+    with numerics.batch_invariant():
+        scored = score_logprobs(trainer, [r.prompt_ids + list(d.token_ids) for r, d in zip(requests, done)],
+                                [len(r.prompt_ids) for r in requests], temperature=temps, full_forward=True)
+        torch.cat(scored).sum().backward()
+    grads = all(p.grad is not None for p in trainer.parameters() if p.requires_grad)
+    return {"engine": [torch.tensor(d.logprobs) for d in done], "tokens": [list(d.token_ids) for d in done],
+            "trainer": [s.detach() for s in scored], "grads": grads}
+
+
+def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))  # a loaded CI host
+    mesh = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("tp",))
+    requests = share_requests(_requests() if rank == 0 else None)
+    results = {f"{family}/{name}": _case(family, dtype, requests, mesh)
+               for family in FAMILIES for name, dtype in DTYPES.items()}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+@pytest.fixture(scope="module")
+def results(computed_once):
+    def make(d):
+        mp.spawn(_worker, args=(WORLD, str(d / "init"), str(d)), nprocs=WORLD, join=True)
+
+    tmp = computed_once("parallel-bi spawn", make)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+CASES = [f"{family}/{name}" for family in FAMILIES for name in DTYPES]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_trainer_tp2_logprobs_equal_generator_tp2_bitwise(results, case):
+    for rank, res in enumerate(results):
+        got = res[case]
+        assert [len(t) for t in got["tokens"]] == NEW_TOKENS + [3]
+        for i, (engine, trainer) in enumerate(zip(got["engine"], got["trainer"])):
+            assert torch.equal(engine, trainer), (case, rank, i, (engine - trainer).abs().max())
+        assert got["grads"]  # the trainer's backward ran through the sharded invariant layers
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_rank_generates_the_same_tokens(results, case):
+    assert results[0][case]["tokens"] == results[1][case]["tokens"]
