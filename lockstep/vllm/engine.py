@@ -13,8 +13,11 @@ tensors into vLLM's copy in place (no restart); RL generators call it for every 
 What maps and what does not (docs/generation.md, "vLLM"): ``max_batch_size`` -> vLLM's
 ``max_num_seqs``, ``max_prefill_tokens`` -> ``max_num_batched_tokens``, ``cache_memory_mb`` -> its
 KV cache bytes, ``weights_dtype`` -> its dtype, ``batch_invariant`` -> lockstep's batch-invariant
-kernels in the lockstep modules (not in vLLM's attention); the lockstep kernel options (packing,
-compiled decode, paged_attention) have no vLLM counterpart and are ignored. Log-probabilities
+kernels in the lockstep modules (not in vLLM's attention), ``pack_weights`` / ``linear_kernel`` ->
+the lockstep modules' linears run on prepacked weights on CPU as in lockstep's engine
+(:func:`lockstep.generate.packed.pack_linears`; each pack follows its weight's version counter, so
+:meth:`VllmEngine.load_weights`' in-place copies repack it at the next step); compiled decode and
+paged_attention have no vLLM counterpart and are ignored (vLLM runs eager). Log-probabilities
 are vLLM's ``processed_logprobs``: ``log_softmax(logits / T)`` as lockstep's, except that vLLM
 renormalises over what top-k/top-p keep where lockstep does not. Seeded sampling is reproducible
 within vLLM but draws other tokens than lockstep's engine for the same seed; greedy is the same.
@@ -40,6 +43,7 @@ from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate.config import EngineConfig, Request, SamplingParams
 from lockstep.generate.engine import tokenizer_eos_id
+from lockstep.generate.packed import linear_kernel, pack_linears, packable
 from lockstep.generate.output import GenerationResult, StreamEvent, TextTracker, final_results, follow
 from lockstep.models.hf.io import resolve_dtype
 from lockstep.vllm import DIE_WITH_PARENT, configure_environment, register
@@ -126,7 +130,10 @@ class VllmEngine:
         #: None: the process-wide switch now); vLLM's attention kernel is not one of them (docs/numerics.md)
         mode = config.batch_invariant
         self.batch_invariant = numerics.is_batch_invariant() if mode is None else mode
-        self.llm.apply_model(functools.partial(_prepare_numerics, self.batch_invariant, separate_process))
+        #: the kernel the lockstep linears inside vLLM run on prepacked weights (None: unpacked)
+        self.linear_kernel = linear_kernel(config.linear_kernel, self.dtype) if config.pack_weights else None
+        self.llm.apply_model(functools.partial(_prepare_model, self.batch_invariant, separate_process,
+                                               self.linear_kernel, config.max_batch_size))
         self.load_weights()
 
     def close(self) -> None:
@@ -235,7 +242,7 @@ class VllmEngine:
     def step(self) -> list[StreamEvent]:
         """One vLLM engine step (its scheduler admits, prefills and decodes); an event per new token."""
         events: list[StreamEvent] = []
-        if self.separate_process:  # the switch was set in vLLM's process (_prepare_numerics)
+        if self.separate_process:  # the switch was set in vLLM's process (_prepare_model)
             outputs = self.engine.step()
         else:
             with numerics.batch_invariant(self.batch_invariant):
@@ -304,12 +311,20 @@ def _capacity_tokens(llm: Any, model: nn.Module, dtype: torch.dtype, config: Eng
     return _cache_tokens(model, dtype, config.cache_memory_mb)
 
 
-def _prepare_numerics(batch_invariant: bool, separate_process: bool, vllm_model: nn.Module) -> None:
-    """In vLLM's worker: the lockstep linears follow the batch-invariant switch; in a process of vLLM's
-    own, the switch is set there for good (in this process, ``step`` sets it around each step)."""
-    numerics.prepare_model(vllm_model.model)
+def _prepare_model(batch_invariant: bool, separate_process: bool, kernel: str | None, batch_hint: int,
+                   vllm_model: nn.Module) -> int:
+    """In vLLM's worker: the lockstep linears follow the batch-invariant switch and, on CPU, run on
+    prepacked weights of ``kernel`` (packed at their first call, repacked when a weight is written);
+    in a process of vLLM's own, the switch is set there for good (in this process, ``step`` sets it
+    around each step). Returns the number of packed linears."""
+    model = vllm_model.model
+    numerics.prepare_model(model)
     if separate_process:
         numerics.set_batch_invariant(batch_invariant)
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    if kernel is None or not on_cpu or not packable(model):
+        return 0
+    return len(pack_linears(model, batch_hint, kernel))
 
 
 def _load_into(items: list[tuple[str, torch.Tensor]], vllm_model: nn.Module) -> int:

@@ -18,6 +18,7 @@ import torch
 
 from lockstep.config.base import ConfigError
 from lockstep.generate import EngineConfig, Request, SamplingParams
+from lockstep.generate.packed import PackedLinear
 from lockstep.load import load_model
 from lockstep.models.common.transformer import build_meta_model
 from lockstep.models.hf.io import save_lockstep_dir
@@ -80,10 +81,19 @@ def test_greedy_tokens_and_logprobs_equal_the_lockstep_engine(engines, family):
     assert len({tuple(r.token_ids) for r in got}) > 1  # not one repeated answer
 
 
+def _packed(vllm_model: torch.nn.Module) -> tuple[int, int]:
+    """(linears of the lockstep model inside vLLM with a packing kernel, those holding a pack now)."""
+    layers = [m for m in vllm_model.model.modules() if isinstance(m, PackedLinear) and m._pack_kernel is not None]
+    return len(layers), sum(m.is_packed for m in layers)
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
 def test_weights_reloaded_in_place_change_the_output_to_the_new_weights(engines, family):
+    """The linears inside vLLM run on packed weights (as lockstep's engine): a reload must repack them."""
     model, engine = engines(family)
     before = engine.generate(_requests())
+    [(kernels, packed)] = engine.llm.apply_model(_packed)
+    assert engine.linear_kernel is not None and packed == kernels > 0
     original = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         with torch.no_grad():
