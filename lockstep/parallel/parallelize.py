@@ -33,6 +33,7 @@ from lockstep.parallel.expert import apply_expert_parallel, expert_parameters
 from lockstep.parallel.fsdp import DTYPES, apply_fsdp, dp_mesh, expert_mesh
 from lockstep.parallel.tp_blocks import (check_tp_divides, gated_deltanet_plan, install_mla_hooks, install_moe_tp,
                                         install_mtp_tp, mla_plan, moe_plan, replicate_auxiliary_losses, sinks_tp)
+from lockstep.parallel.visual import apply_visual_sequence_parallel
 
 
 def apply_dense_tp(model: nn.Module, tp_mesh, sequence_parallel: bool = True) -> None:
@@ -174,6 +175,7 @@ def parallelize_dense(model: nn.Module, dims: ParallelDims, mesh, config: Parall
         apply_expert_parallel(model, mesh["ep"], config.ep_chunks, config.ep_capacity_factor)
     if dims.tp > 1:  # after ep: expert TP splits each ep rank's experts on their hidden dim
         apply_dense_tp(model, mesh["tp"])
+        apply_visual_sequence_parallel(model, mesh["tp"])  # images: each rank's share of the sequence
     experts_mesh = expert_mesh(mesh, dims)
     if dims.ep > 1 and experts_mesh is None:
         expert_params = set(expert_parameters(model))
