@@ -55,13 +55,17 @@ class SwitchableLinear(nn.Linear):
     """An ``nn.Linear`` whose forward uses the batch-invariant matmul while the switch is on.
 
     Same parameters, names and state dict as the ``nn.Linear`` it replaces (only the class changes),
-    so checkpoints, HF conversion and parallel plans see no difference."""
+    so checkpoints, HF conversion and parallel plans see no difference. ``k_split`` (set per layer by
+    :func:`lockstep.parallel.tp_sums.split_row_parallel_sums`): the invariant matmul sums K in that
+    many slices, as a row-parallel layer of another tensor-parallel degree does."""
+
+    k_split: int = 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _BATCH_INVARIANT:
             from lockstep.ops.batch_invariant import linear
 
-            return linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, self.k_split)
         return super().forward(x)
 
 

@@ -28,6 +28,11 @@ log_softmax, RMSNorm) and elementwise ops do not. Two ways to make a row's bits 
 MLA's per-head projections (:func:`head_matmul`) are per head this module's :func:`linear`, and
 elementwise transcendentals go through :func:`elementwise` (whole vectors, one-thread pieces).
 
+Under tensor parallelism (weights that are DTensors of the TP styles) :func:`linear` runs on the
+local shards, row-parallel partials summed in a fixed order (:class:`OrderedSum`): a trainer and a
+generator of one TP degree agree bitwise, and ``k_split`` lets one degree reproduce another's
+sums (:mod:`lockstep.parallel.tp_sums`).
+
 Both make a query at position t get the same bits from a full-sequence forward (trainer, prefill)
 and from a KV-cache decode step. The two are not bitwise equal to each other; a process uses one
 (:func:`bi_kernel.available` is decided once). Backward passes are the ordinary ones (only forward
@@ -122,21 +127,35 @@ class _TiledLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Batch-invariant ``F.linear`` (autocast honoured: inputs cast as F.linear's would be)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, k_split: int = 1
+           ) -> torch.Tensor:
+    """Batch-invariant ``F.linear`` (autocast honoured: inputs cast as F.linear's would be).
+
+    ``k_split`` > 1: the dot products over K computed as ``k_split`` partials over equal slices of K
+    (the bias joins the first), added by :func:`tree_sum`: the arithmetic of a row-parallel layer
+    sharded ``k_split`` ways, so one layout reproduces another's bits
+    (:func:`lockstep.parallel.tp_sums.split_row_parallel_sums`). On a tensor-parallel weight (a
+    DTensor) the local shards are computed (:func:`_sharded_linear`), row-parallel ones split
+    ``k_split`` ways locally."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
         with torch.autocast(device, enabled=False):
-            return _linear(x, weight, bias)
-    return _linear(x, weight, bias)
+            return _linear(x, weight, bias, k_split)
+    return _linear(x, weight, bias, k_split)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_split: int = 1) -> torch.Tensor:
     if isinstance(weight, DTensor):
-        return _sharded_linear(x, weight, bias)
+        return _sharded_linear(x, weight, bias, k_split)
+    if k_split > 1:
+        if weight.shape[1] % k_split:
+            raise ValueError(f"batch-invariant linear: k_split={k_split} does not divide K={weight.shape[1]}")
+        first = [1.0] + [0.0] * (k_split - 1)  # the bias on every part's gradient path, zero but in the first
+        return tree_sum([_linear(xi, wi, None if bias is None else bias * f)
+                         for xi, wi, f in zip(x.chunk(k_split, -1), weight.chunk(k_split, 1), first)])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return _TiledLinear.apply(x, weight, bias)
     out = _weight_matmul(x.reshape(-1, x.shape[-1]), weight)  # no autograd node: same forward
@@ -145,12 +164,23 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` added pairwise, level by level (``(p0 + p1) + (p2 + p3)``; an odd last one carried
+    up): with ``n * m`` parts, ``m`` a power of two, the first levels sum each aligned group of ``m``
+    and the rest are the tree over the ``n`` group sums. So a sum over ``n`` ranks of each rank's
+    ``m``-way split equals one process's ``n * m``-way split, bit for bit."""
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
 class OrderedSum(Partial):
-    """A pending sum over a 1-D mesh reduced in rank order: every rank all-gathers the partials and
-    adds them ``((p0 + p1) + p2) + ...``, so the bits do not depend on the backend's ring or tree
-    order (NCCL's depends on the rank count and message size; at 2 ranks every order is ``a + b``).
-    A row-parallel batch-invariant linear's output carries it; the TP styles' output hooks reduce it
-    (to ``Replicate``, or to ``Shard`` with sequence parallelism: the same sum, then this rank's chunk)."""
+    """A pending sum over a 1-D mesh reduced in a fixed order: every rank all-gathers the partials
+    and adds them by :func:`tree_sum` in rank order, so the bits do not depend on the backend's ring
+    or tree order (NCCL's depends on the rank count and message size; at 2 ranks every order is
+    ``a + b``). A row-parallel batch-invariant linear's output carries it; the TP styles' output
+    hooks reduce it (to ``Replicate``, or to ``Shard`` under sequence parallelism: the same sum, then
+    this rank's chunk)."""
 
     def __init__(self) -> None:
         super().__init__("sum")
@@ -159,10 +189,7 @@ class OrderedSum(Partial):
         group = mesh.get_group(mesh_dim)
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, tensor.contiguous(), group=group)
-        out = parts[0]
-        for part in parts[1:]:
-            out = out + part
-        return out
+        return tree_sum(parts)
 
     def _reduce_shard_value(self, tensor: torch.Tensor, mesh, mesh_dim: int, shard_spec) -> torch.Tensor:
         whole = self._reduce_value(tensor, mesh, mesh_dim)
@@ -180,34 +207,32 @@ class OrderedSum(Partial):
     __str__ = __repr__
 
 
-def _sharded_linear(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _sharded_linear(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, k_split: int) -> torch.Tensor:
     """The batch-invariant linear of a tensor-parallel layer (a weight on a 1-D mesh, as the TP
     styles of :mod:`lockstep.parallel` leave it): this module's kernel on the local shards, so each
-    rank computes exactly the rows and columns a one-process call of the local shapes would.
-    Column-parallel (``Shard(0)``): the local output columns, ``Shard(-1)`` -- bitwise the one-process
-    linear's columns, as each output is its own dot product over all of K. Row-parallel
-    (``Shard(1)``): the local partial dot products over this rank's slice of K (the bias joins rank
-    0's), pending an :class:`OrderedSum`. ``x`` is what the style's input hook made: a DTensor
-    (replicated, or sharded on its last dim), or a plain local tensor. Gradients flow as for
-    ``F.linear`` on DTensors."""
+    rank computes exactly what a one-process call of the local shapes would. Column-parallel
+    (``Shard(0)``): the local output columns, ``Shard(-1)``: bitwise the one-process linear's
+    columns (each output is its own dot product over all of K). Row-parallel (``Shard(1)``): the
+    partial dot products over this rank's slice of K (``k_split`` ways; the bias joins rank 0's),
+    pending an :class:`OrderedSum`. ``x`` is what the style's input hook made: a DTensor (replicated,
+    or sharded on its last dim) or a plain local tensor. Gradients flow as for ``F.linear`` on DTensors."""
     mesh, placements = weight.device_mesh, tuple(weight.placements)
     if mesh.ndim != 1 or placements not in ((Shard(0),), (Shard(1),)):
         raise NotImplementedError(f"batch-invariant linear: a weight sharded {placements} on a {mesh.ndim}-D mesh; "
                                   "tensor-parallel layers (Shard(0) or Shard(1) on the tp mesh) only")
-    local_bias = None
     if placements == (Shard(0),):  # column-parallel: the input replicated (its gradient a partial sum)
         if isinstance(x, DTensor):
             x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-        if bias is not None:
-            local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
-        out = _linear(x, weight.to_local(), local_bias)
+        if isinstance(bias, DTensor):
+            bias = bias.to_local()
+        out = _linear(x, weight.to_local(), bias)
         return DTensor.from_local(out, mesh, [Shard(out.ndim - 1)], run_check=False)
     if isinstance(x, DTensor):  # row-parallel: the input sharded on its last dim
         x = x.redistribute(placements=[Shard(x.ndim - 1)]).to_local()
     if bias is not None:  # on every rank (its gradient path), zero but on rank 0
-        local_bias = bias.to_local(grad_placements=[Partial()]) if isinstance(bias, DTensor) else bias
-        local_bias = local_bias * float(mesh.get_local_rank() == 0)
-    out = _linear(x, weight.to_local(), local_bias)
+        bias = bias.to_local(grad_placements=[Partial()]) if isinstance(bias, DTensor) else bias
+        bias = bias * float(mesh.get_local_rank() == 0)
+    out = _linear(x, weight.to_local(), bias, k_split)
     return DTensor.from_local(out, mesh, [OrderedSum()], run_check=False)
 
 

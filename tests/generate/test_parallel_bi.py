@@ -14,8 +14,14 @@ the trainer's log-probabilities ``torch.equal`` the engine's; the engine's token
 the same. Why it holds: column-parallel layers compute their columns as one process would (each
 output its own dot product over all of K), attention runs per local head, row-parallel partials are
 summed in rank order (:class:`lockstep.ops.batch_invariant.OrderedSum`), and the head's logits are
-whole before the log-softmax on both sides. TP 2 vs one process is not claimed (docs/numerics.md:
-the row-parallel layers split K).
+whole before the log-softmax on both sides.
+
+TP 2 vs one process differs (the row-parallel layers split K; asserted not equal), unless the one
+process splits its row-parallel sums as TP 2 does (:func:`lockstep.parallel.tp_sums.split_row_parallel_sums`,
+dense families): then a one-process trainer equals the TP-2 generator and a one-process generator
+(same tokens) the TP-2 trainer, bitwise. Cheap checks without processes: a 4-way split equals two
+ranks' 2-way splits summed in rank order (the rule behind TP-a split b/a == TP-b), and MoE blocks
+are refused by the split.
 """
 
 import datetime
@@ -29,14 +35,19 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
 from lockstep import numerics
-from lockstep.generate import EngineConfig, Request, SamplingParams
+from lockstep.generate import Engine, EngineConfig, Request, SamplingParams
 from lockstep.generate.parallel import GroupEngine, share_requests, shard_for_generation
+from lockstep.models.common.transformer import build_meta_model
+from lockstep.models.registry import model_config
+from lockstep.ops import batch_invariant as bi
 from lockstep.parallel.parallelize import apply_dense_tp
+from lockstep.parallel.tp_sums import split_row_parallel_sums
 from lockstep.rl.scoring import score_logprobs
 from tests.generate.conftest import prompts, tiny_model
 
 WORLD = 2
 FAMILIES = ["llama3", "qwen3", "qwen3_moe"]
+DENSE = ["llama3", "qwen3"]  # split_row_parallel_sums covers GQA + SwiGLU blocks
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 ENGINE = dict(cache_memory_mb=2, block_size=4, max_batch_size=2, pack_weights=False, batch_invariant=True)
 LENGTHS = [3, 9, 12, 6]
@@ -61,13 +72,23 @@ def _case(family: str, dtype: torch.dtype, requests: list[Request], mesh: Device
     apply_dense_tp(trainer, mesh)  # the trainer's rule: sequence parallel, DTensor parameters
     trainer.train()
     temps = [r.sampling.temperature or 1.0 for r in requests]
+    sequences = [r.prompt_ids + list(d.token_ids) for r, d in zip(requests, done)]
+    lengths = [len(r.prompt_ids) for r in requests]
     with numerics.batch_invariant():
-        scored = score_logprobs(trainer, [r.prompt_ids + list(d.token_ids) for r, d in zip(requests, done)],
-                                [len(r.prompt_ids) for r in requests], temperature=temps, full_forward=True)
+        scored = score_logprobs(trainer, sequences, lengths, temperature=temps, full_forward=True)
         torch.cat(scored).sum().backward()
     grads = all(p.grad is not None for p in trainer.parameters() if p.requires_grad)
-    return {"engine": [torch.tensor(d.logprobs) for d in done], "tokens": [list(d.token_ids) for d in done],
-            "trainer": [s.detach() for s in scored], "grads": grads}
+    out = {"engine": [torch.tensor(d.logprobs) for d in done], "tokens": [list(d.token_ids) for d in done],
+           "trainer": [s.detach() for s in scored], "grads": grads}
+    if family in DENSE:  # one process with its row-parallel sums split as TP-2's: either side of the pair
+        one = split_row_parallel_sums(tiny_model(family).to(dtype), WORLD)
+        alone = Engine(one, None, EngineConfig(**ENGINE)).generate(requests)
+        out["engine_tp1_split"] = [torch.tensor(d.logprobs) for d in alone]
+        out["tokens_tp1_split"] = [list(d.token_ids) for d in alone]
+        with torch.no_grad(), numerics.batch_invariant():
+            out["trainer_tp1_split"] = score_logprobs(one, sequences, lengths, temperature=temps)
+            out["trainer_tp1"] = score_logprobs(tiny_model(family).to(dtype), sequences, lengths, temperature=temps)
+    return out
 
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -109,3 +130,39 @@ def test_trainer_tp2_logprobs_equal_generator_tp2_bitwise(results, case):
 @pytest.mark.parametrize("case", CASES)
 def test_every_rank_generates_the_same_tokens(results, case):
     assert results[0][case]["tokens"] == results[1][case]["tokens"]
+
+
+@pytest.mark.parametrize("case", [f"{family}/{name}" for family in DENSE for name in DTYPES])
+def test_one_process_split_as_tp2_equals_tp2_both_ways(results, case):
+    """A one-process model whose row-parallel sums are split two ways (``split_row_parallel_sums``)
+    gives TP-2's bits: as the trainer (== the TP-2 generator) and as the generator (== the TP-2
+    trainer, same tokens); without the split it does not (fp32 and bf16 alike here)."""
+    for res in results:
+        got = res[case]
+        assert got["tokens_tp1_split"] == got["tokens"]
+        for i in range(len(got["engine"])):
+            assert torch.equal(got["trainer_tp1_split"][i], got["engine"][i]), (case, i)
+            assert torch.equal(got["engine_tp1_split"][i], got["trainer"][i]), (case, i)
+        assert not all(torch.equal(a, b) for a, b in zip(got["trainer_tp1"], got["engine"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_sums_compose_across_degrees(dtype):
+    """The kernel-level claim behind TP-a split b/a == TP-b: a 4-way split of K equals the rank-order
+    tree sum of two ranks' 2-way splits of their halves (a TP-2 layout split as TP-4), bitwise."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(shape, generator=gen).to(dtype) for shape in ((7, 128), (48, 128)))
+    with numerics.batch_invariant():
+        layer = torch.nn.Linear(128, 48, bias=False).to(dtype)
+        layer.weight.data.copy_(w)
+        numerics.prepare_model(layer)
+        layer.k_split = 4
+        whole = layer(x)
+    halves = [bi.linear(x[:, i * 64:(i + 1) * 64], w[:, i * 64:(i + 1) * 64], k_split=2) for i in range(2)]
+    assert torch.equal(whole, bi.tree_sum(halves))
+    assert not torch.equal(whole, bi.linear(x, w))  # the split changes the bits: why TP degrees differ
+
+
+def test_split_refuses_moe_blocks():
+    with pytest.raises(ValueError, match=r"layers\.\d+ has GroupedQueryAttention \+ MoE"):
+        split_row_parallel_sums(build_meta_model(model_config("qwen3_moe", "debug")), 2)
