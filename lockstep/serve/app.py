@@ -7,9 +7,9 @@ tokenises the prompt (the chat template of the model's tokenizer for chat), chec
 context (``prompt + max_tokens`` <= ``min(model.max_seq_len, KV-cache tokens)``), submits it and
 answers the whole response or a server-sent-event stream (``data: {chunk}`` lines, then
 ``data: [DONE]``). Chat image parts are checked and decoded by :mod:`lockstep.serve.images` (off the
-event loop) and handed to the engine as ``Request.images`` beside the rendered prompt. Errors use OpenAI's JSON shape: 400 bad request (naming the field), 429 queue
-full, 503 shutting down / engine failed. ``GET /stats`` returns the loop's counters, ``GET /health``
-200 while the engine loop runs.
+event loop) and handed to the engine as ``Request.images`` beside the rendered prompt. Errors use
+OpenAI's JSON shape: 400 bad request (naming the field), 429 queue full, 503 shutting down / engine
+failed. ``GET /stats`` returns the loop's counters, ``GET /health`` 200 while the engine loop runs.
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ class Server:
         if self.image_refusal is not None:
             i, j = next((i, j) for i, m in enumerate(messages) if not isinstance(m["content"], str)
                         for j, p in enumerate(m["content"]) if p["type"] == "image_url")
-            raise ApiError(400, f"messages[{i}].content[{j}]: {self.image_refusal}", f"messages[{i}].content")
+            raise ApiError(400, f"messages[{i}].content[{j}]: {self.image_refusal}", f"messages[{i}].content[{j}]")
         return load_images(messages, self.image_limits)
 
     def _request(self, prep: Prepared, body: Any, max_new: int, images: list[Any] | None = None) -> Request:

@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[2]
     (["--cache-mb", "0"], "--cache-mb: must be > 0"),
     (["--default-max-tokens", "0"], "--default-max-tokens: must be >= 1"),
     (["--served-model-name", " "], "--served-model-name: must not be empty"),
+    (["--allowed-image-dir", "/nonexistent/images"], "--allowed-image-dir /nonexistent/images: no such directory"),
+    (["--max-images-per-request", "0"], "--max-images-per-request: must be >= 1"),
+    (["--max-image-pixels", "0"], "--max-image-pixels: must be >= 1"),
 ])
 def test_bad_flags_fail_before_loading(model_dir, capsys, flags, message):
     assert main(["serve", "--checkpoint", str(model_dir), *flags]) == 2

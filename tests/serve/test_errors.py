@@ -77,6 +77,20 @@ def test_the_openai_client_raises_bad_request(client):
     assert err.value.status_code == 400 and err.value.param == "max_tokens"
 
 
+def test_image_parts_to_a_text_only_model_are_a_400(client):
+    """Refused before the image is even decoded (tests/serve/test_images.py serves a vision-language model)."""
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    content = [{"type": "text", "text": "hi"}, image]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": content}], max_tokens=2)
+    assert err.value.param == "messages[0].content[1]"
+    assert err.value.body["message"].startswith("messages[0].content[1]: the served model (llama3) takes text only")
+    # text parts alone are still one string for the (text-only) chat template
+    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": content[:1]}],
+                                         max_tokens=2, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
 # ---------------------------------------------------------------------------- overload and failure
 
 

@@ -11,6 +11,7 @@ import base64
 import concurrent.futures
 import io
 import json
+import types
 import urllib.request
 
 import numpy as np
@@ -24,7 +25,7 @@ from lockstep.generate.vision import image_pixel_bounds
 from lockstep.load import load_model
 from lockstep.serve import BackgroundServer, create_app
 from lockstep.serve.cli import build_engine
-from lockstep.serve.images import ImageLimits, load_images
+from lockstep.serve.images import ImageLimits, image_refusal, load_images
 from lockstep.serve.protocol import ApiError
 from tests.generate.test_vl_generate import MAX_PIXELS, MIN_PIXELS, VL_TEMPLATE, _hf_processor, _tokenizer, ref
 
@@ -244,3 +245,12 @@ def test_file_urls_need_an_allowed_directory(image_dir):
                                        r"--allowed-image-dir") as caught:
         load_images(user(part(f"file://{image_dir / 'a.png'}")), ImageLimits())
     assert caught.value.param == "messages[0].content[0].image_url.url"
+
+
+def test_an_engine_without_vision_refuses_images_of_a_vision_model(reference):
+    """An engine without ``vision`` (VllmEngine: it hands vLLM text only) over a vision-language model: the
+    400 points at --engine lockstep (tests/serve/test_vllm_serve.py: the same refusal over vLLM, text model)."""
+    engine, _ = reference
+    assert image_refusal(engine) is None
+    assert image_refusal(types.SimpleNamespace(model=engine.model)).endswith(
+        "although the model (qwen3_vl) has a vision tower; serve it with --engine lockstep for images")

@@ -1,6 +1,6 @@
 """``lockstep serve --engine vllm``: the same server over :class:`lockstep.vllm.VllmEngine` (vLLM
 running lockstep's modules) gives the lockstep engine's greedy tokens, streams, batches concurrent
-clients, and refuses top-N log-probabilities (VllmEngine has no ``on_logits`` hook) with a 400."""
+clients, and refuses top-N log-probabilities (VllmEngine has no ``on_logits`` hook) and image parts with a 400."""
 
 from __future__ import annotations
 
@@ -61,3 +61,8 @@ def test_vllm_served_greedy_is_the_lockstep_engine(vllm_client, model_dir):
 
     with pytest.raises(openai.BadRequestError, match="logprobs: this engine returns only the chosen token"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=2, logprobs=2)
+    # VllmEngine hands vLLM text only: image parts are refused before decoding (lockstep.serve.images)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\].content\[0\]: the served model \(llama3\) takes "
+                                                     r"text only"):
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": [image]}], max_tokens=2)
