@@ -300,7 +300,8 @@ class RLConfig(RunConfig):
     #: heartbeats between trainer and generators: the timeout, and what a lost generator does to the run
     liveness: LivenessConfig = dataclasses.field(default_factory=LivenessConfig)
     #: the trainer's own layout over its processes (ranks 0 .. T-1; the generators come after):
-    #: data parallel only, dp_shard (FSDP2) x dp_replicate (HSDP)
+    #: dp_replicate (HSDP) x dp_shard (FSDP2) x tp (tensor/sequence parallel), and ep (MoE experts over the
+    #: dp_shard ranks); pp and cp are refused
     parallel: ParallelConfig = dataclasses.field(default_factory=lambda: ParallelConfig(dp_shard=1))
     #: periodic full-state checkpoints (policy, optimizer, RNG, task position, policy version)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -317,9 +318,6 @@ class RLConfig(RunConfig):
         require_batch_invariant_on_cpu(self.numerics, self.training.device)  # trainer and generators
         refuse_batch_invariant(self.model, self.numerics.batch_invariant)
         self._check_trainer_layout()
-        require(not (self.numerics.batch_invariant and self.workers.generator_parallel.tp > 1),
-                "numerics.batch_invariant", "batch-invariant mode does not run tensor-parallel generators "
-                "(workers.generator_parallel.tp > 1; lockstep.generate.parallel); expert-parallel ones (ep) do")
         require(self.lr_schedule.warmup_steps <= self.steps, "lr_schedule.warmup_steps",
                 f"must be <= steps={self.steps}, got {self.lr_schedule.warmup_steps}")
         kind = self.loss.kind
@@ -334,6 +332,12 @@ class RLConfig(RunConfig):
 
     @property
     def trainer_world_size(self) -> int:
+        """Processes of the trainer: dp_replicate x dp_shard x tp (ep borrows dp_shard's ranks)."""
+        return self.parallel.dp_replicate * self.parallel.dp_shard * self.parallel.tp
+
+    @property
+    def trainer_dp(self) -> int:
+        """Data-parallel trainer ranks (each scores its own share of a step's episodes; tp ranks share one)."""
         return self.parallel.dp_replicate * self.parallel.dp_shard
 
     @property
@@ -346,19 +350,32 @@ class RLConfig(RunConfig):
         require(par.dp_shard >= 1, "parallel.dp_shard",
                 f"an RL trainer's dp_shard must be given (>= 1; -1 'the rest' would take the generators' ranks), "
                 f"got {par.dp_shard}")
-        for name in ("tp", "pp", "cp", "ep"):
+        for name, why in (("pp", "the RL objective runs on the whole model in one forward, and a pipeline's "
+                                 "schedule runs the LM objective only"),
+                          ("cp", "the RL objective scores whole sequences, and context parallel shards them "
+                                 "under the LM objective only")):
             require(getattr(par, name) == 1, f"parallel.{name}",
-                    f"the RL trainer supports data-parallel layouts (dp_shard, dp_replicate) only, got {name}="
-                    f"{getattr(par, name)}")
-        dp = self.trainer_world_size
-        require(not (self.workers.resolved_weight_sync(dp) == "reshard" and self.workers.generators
+                    f"the RL trainer supports dp_replicate, dp_shard, tp and ep layouts, got {name}="
+                    f"{getattr(par, name)}: {why}")
+        if par.ep > 1:
+            require(par.ep == par.dp_shard, "parallel.ep",
+                    f"the RL trainer's experts are split over ep and left out of FSDP (ep == dp_shard; the "
+                    f"resharding weight sync reads that layout), got ep={par.ep}, dp_shard={par.dp_shard}")
+            require(par.tp == 1, "parallel.ep", f"the RL trainer runs ep or tp, not both (got tp={par.tp})")
+        require(self.sft.steps == 0 or par.tp == par.ep == 1, "sft.steps",
+                f"the SFT warm-up runs on data-parallel trainer layouts only (got tp={par.tp}, ep={par.ep}); warm "
+                f"up in a run without them and start from it (init_from)")
+        require(self.training.mode == "eager" or par.tp == par.ep == 1, "training.mode",
+                "graph mode runs data-parallel layouts only; use training.mode='eager' with parallel.tp / ep")
+        world, dp = self.trainer_world_size, self.trainer_dp
+        require(not (self.workers.resolved_weight_sync(world) == "reshard" and self.workers.generators
                      and self.liveness.on_generator_loss == "continue"), "liveness.on_generator_loss",
                 "'continue' drops a lost generator from a broadcast weight sync (workers.weight_sync='gather', one "
                 "trainer process, one-process generators); the resharding sync stops the run instead (use 'stop')")
-        if dp > 1:
-            require(self.workers.generators >= 1, "parallel.dp_shard",
+        if world > 1:
+            require(self.workers.generators >= 1, "parallel.dp_shard" if dp > 1 else "parallel.tp",
                     "colocated generation (workers.generators=0) runs on one unsharded trainer process; give "
-                    "generator processes or set dp_shard=dp_replicate=1")
+                    "generator processes or set dp_shard=dp_replicate=tp=1")
             batch = self.task.groups_per_step * self.rollout.group_size
             require(batch % dp == 0, "task.groups_per_step",
                     f"a step's {batch} episodes (groups_per_step x group_size) must split evenly over the "

@@ -86,7 +86,8 @@ class Learner:
     def __init__(self, config: RLConfig, model: nn.Module, runtime: ParallelRuntime | None = None,
                  reference: nn.Module | None = None) -> None:
         """``model``: the policy as ``runtime`` parallelized it (FSDP-sharded over its dp trainer
-        ranks: each scores its share of a step's episodes and gradients average over them). Without
+        ranks: each scores its share of a step's episodes and gradients average over them; the tp ranks
+        of a share score it together). Without
         a runtime, a one-process one is made here (and the model moved to ``training.device``).
         ``reference`` (used when ``loss.kl_coef > 0``): the frozen KL reference, placed like the
         policy; by default a copy of ``model`` (a sharded model cannot be copied: FSDP refuses
@@ -96,7 +97,11 @@ class Learner:
             runtime = ParallelRuntime.local(config.training.device)
             model = runtime.parallelize(model, ParallelConfig(dp_shard=1), mode=config.training.mode)
         self.runtime, self.model = runtime, model
-        self.dp, self.dp_rank, self.group = runtime.world_size, runtime.dp_rank, runtime.group
+        # data-parallel ranks score their own shares of a step's episodes; the tp ranks of one share score it
+        # together (the same episodes, the same replicated scalars)
+        self.dp, self.dp_rank, self.group = runtime.dims.dp, runtime.dp_rank, runtime.group
+        self.tp = runtime.dims.tp
+        self.tp_rank = runtime.mesh["tp"].get_local_rank() if self.tp > 1 else 0
         self.optimizer = config.optimizer.build(model)
         self.lr_at = config.lr_schedule.build(peak_lr=config.optimizer.lr, total_steps=config.steps)
         sampling = config.rollout.sampling
@@ -110,7 +115,7 @@ class Learner:
                 reference = copy.deepcopy(model)
             self.reference = reference.eval().requires_grad_(False)
         self.objective = PolicyObjective(self.loss, reference=self.reference, ratio_to=config.training.ratio_to,
-                                         dp=self.dp)
+                                         dp=self.dp, full_forward=runtime.distributed, tp=self.tp)
 
     def step(self, step: int, records: Sequence[EpisodeRecord], *, trainer_version: int) -> dict[str, float]:
         """One optimizer step on ``records`` (group-major, whole groups); returns metrics."""
@@ -160,6 +165,8 @@ class Learner:
         max_norm = cfg.training.max_grad_norm if cfg.training.max_grad_norm > 0 else math.inf
         grad_norm_t = self.runtime.clip_gradients(max_norm)
         sums = scalars.reduce(mean=False)  # the ranks' partial sums add up to the step's values
+        if self.tp > 1:  # each share's values were added once per tp rank
+            sums = {k: v / self.tp for k, v in sums.items()}
         grad_norm = float(grad_norm_t)
         # checked before the update (training.on_nonfinite): a non-finite step's update is never applied
         bad = nonfinite_values(loss=sums.get("loss"), grad_norm=grad_norm)
@@ -168,7 +175,7 @@ class Learner:
         else:
             self.runtime.apply_step(self.optimizer)
         trainer_logp = [t.cpu() for t in trainer_logp]
-        if self.dp > 1:
+        if self.runtime.distributed:
             trainer_logp = self._gather_logprobs(trainer_logp)
         seconds = time.perf_counter() - started
 
@@ -200,9 +207,11 @@ class Learner:
         return out
 
     def _gather_logprobs(self, logp: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every rank's trainer log-probs (in rank order, which is episode order)."""
+        """Every data-parallel share's trainer log-probs, in share order (episode order); one tp rank's each."""
         import torch.distributed as dist
 
-        gathered: list = [None] * self.dp
-        dist.all_gather_object(gathered, [t.cpu() for t in logp], group=self.group)
-        return [t for part in gathered for t in part]
+        gathered: list = [None] * self.runtime.world_size
+        dist.all_gather_object(gathered, (self.dp_rank, [t.cpu() for t in logp] if self.tp_rank == 0 else None),
+                               group=self.group)
+        shares = sorted(((k, p) for k, p in gathered if p is not None), key=lambda e: e[0])
+        return [t for _, part in shares for t in part]

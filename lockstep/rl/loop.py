@@ -1,7 +1,7 @@
 """``run_rl(config)``: one RL job, as the trainer (rank 0) or a generator (ranks 1..N).
 
 With ``workers.generators = N >= 1`` the job is ``T + N`` torchrun processes (``lockstep rl``
-launches them): ranks 0..T-1 train (``parallel``: FSDP2/HSDP over them), ranks T.. generate;
+launches them): ranks 0..T-1 train (``parallel``: FSDP2/HSDP, TP, EP over them), ranks T.. generate;
 weights go trainer rank 0 -> generators over one gloo group per generator, rollouts generator -> trainer
 rank 0 over another (:mod:`lockstep.rl.layout`), heartbeats over a socket of their own
 (:mod:`lockstep.rl.liveness`); the trainer ranks run on a ``ParallelRuntime`` of their own. With ``generators = 0`` one process

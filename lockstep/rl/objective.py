@@ -66,26 +66,29 @@ class PolicyObjective:
     """``loss(score_logprobs(model, episodes), ...) * dp``: FSDP averages gradients over the ``dp``
     trainer ranks and the step's loss is the sum of theirs. ``reference``: the frozen reference
     policy (scored without gradients) when the loss has a KL term. ``ratio_to``: ``"generator"``
-    (the importance ratio against the generator's log-probabilities) or ``"current"``."""
+    (the importance ratio against the generator's log-probabilities) or ``"current"``. ``full_forward``:
+    score through the model's root forward (a distributed model: FSDP's root hooks, TP's sharded head).
+    ``tp``: the tensor-parallel degree (sequence parallelism needs the padded width a multiple of it)."""
 
     def __init__(self, loss: PolicyLoss, *, reference: nn.Module | None = None, ratio_to: str = "generator",
-                 dp: int = 1) -> None:
-        self.loss, self.reference, self.ratio_to, self.dp = loss, reference, ratio_to, dp
+                 dp: int = 1, full_forward: bool | None = None, tp: int = 1) -> None:
+        self.loss, self.reference, self.ratio_to, self.dp, self.tp = loss, reference, ratio_to, dp, tp
+        self.full_forward = dp > 1 if full_forward is None else full_forward
 
     def _score(self, model: nn.Module, batch: PolicyBatch, full_forward: bool) -> list[torch.Tensor]:
         out = score_logprobs(model, batch.sequences, batch.prompt_lengths, temperature=batch.temperatures,
-                             full_forward=full_forward, images=batch.images)
+                             full_forward=full_forward, images=batch.images, pad_to=self.tp)
         if hasattr(model, "pop_auxiliary"):
             model.pop_auxiliary()  # MoE balance terms of this forward are not part of the RL loss
         return out
 
     def __call__(self, model: nn.Module, batch: PolicyBatch) -> tuple[torch.Tensor, PolicyStepLoss]:
-        scored = self._score(model, batch, full_forward=self.dp > 1)  # FSDP: through the root forward
+        scored = self._score(model, batch, full_forward=self.full_forward)
         logp = pad_rows(scored, batch.width)
         ref = None
         if self.reference is not None:
             with torch.no_grad():
-                ref = pad_rows(self._score(self.reference, batch, full_forward=self.dp > 1), batch.width)
+                ref = pad_rows(self._score(self.reference, batch, full_forward=self.full_forward), batch.width)
         gen = batch.generator_logp
         old = gen if self.ratio_to == "generator" else None
         loss, metrics = self.loss(logp, batch.mask, batch.advantages, old_logp=old, ref_logp=ref, generator_logp=gen,

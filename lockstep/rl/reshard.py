@@ -13,8 +13,11 @@ generator rank, from the two sides' layouts alone (nobody gathers the model).
 
 :mod:`lockstep.rl.reshard_transfer` moves the pieces. Placements understood: ``Shard(d)`` (torch's
 chunking: ``ceil(n / k)`` rows a rank, the last ones short or empty; several on one dim apply left to
-right, DTensor's default order) and ``Replicate``; ``Partial`` and ``_StridedShard`` (FSDP over TP) are
-refused by name.
+right, DTensor's default order), ``Replicate`` and FSDP2-over-TP's ``_StridedShard(d)`` (FSDP chunks
+the tensor-parallel shard: applied after the plain ``Shard`` placements of the same dim, whose degrees
+its ``split_factor`` must be); ``Partial`` is refused by name. A trainer's expert-parallel experts
+(:class:`~lockstep.parallel.expert.ExpertParallelExperts`: plain tensors holding ``E / ep`` experts)
+are described as ``Shard(0)`` over the ``ep`` dim of the trainer's mesh (``describe(..., mesh=)``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ class TensorLayout:
     dtype: str
     mesh_shape: tuple[int, ...]
     mesh_ranks: tuple[int, ...]
-    #: one per mesh dim: ("S", dim) or ("R",)
+    #: one per mesh dim: ("S", dim), ("SS", dim) (strided: FSDP over TP) or ("R",)
     placements: tuple[tuple, ...]
 
     def box(self, rank: int) -> Box | None:
@@ -46,9 +49,11 @@ class TensorLayout:
             return None
         coords = _unravel(self.mesh_ranks.index(rank), self.mesh_shape)
         box = [(0, n) for n in self.shape]
-        for placement, coord, size in zip(self.placements, coords, self.mesh_shape):
-            if placement[0] != "S":
-                continue
+        # plain shards left to right, then the strided ones (FSDP's chunk of the tensor-parallel shard)
+        order = [i for i, p in enumerate(self.placements) if p[0] == "S"] + \
+                [i for i, p in enumerate(self.placements) if p[0] == "SS"]
+        for i in order:
+            placement, coord, size = self.placements[i], coords[i], self.mesh_shape[i]
             start, stop = box[placement[1]]
             chunk = -(-(stop - start) // size)
             box[placement[1]] = (min(start + coord * chunk, stop), min(start + (coord + 1) * chunk, stop))
@@ -65,12 +70,33 @@ def _unravel(index: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(coords))
 
 
+def _placements(tensor: Any, name: str) -> tuple[tuple, ...]:
+    """A DTensor's placements as ("S", d) / ("SS", d) / ("R",); a strided shard must be FSDP's over the
+    later plain shards of its dim (``split_factor`` = their degrees)."""
+    ndim = max(tensor.ndim, 1)
+    out = tuple(_placement(p, name, ndim) for p in tensor.placements)
+    sizes = tuple(tensor.device_mesh.mesh.shape)
+    for i, p in enumerate(tensor.placements):
+        if out[i][0] != "SS":
+            continue
+        later = 1
+        for j in range(i + 1, len(out)):
+            later *= sizes[j] if out[j] == ("S", out[i][1]) else 1
+        if getattr(p, "split_factor", None) != later:
+            raise ValueError(f"weight sync: {name} has placement {p!r} on mesh {sizes} with placements "
+                             f"{tensor.placements}; resharding reads a strided shard over the later shards of its "
+                             f"dim only (FSDP over TP)")
+    return out
+
+
 def _placement(p: Any, name: str, ndim: int) -> tuple:
     from torch.distributed.tensor import Replicate, Shard
 
     kind = type(p).__name__
-    if kind == "_StridedShard" or (isinstance(p, Shard) and type(p) is not Shard):
-        raise ValueError(f"weight sync: {name} has placement {p!r} (FSDP over TP), which resharding does not read")
+    if kind == "_StridedShard":
+        return ("SS", p.dim % ndim)
+    if isinstance(p, Shard) and type(p) is not Shard:
+        raise ValueError(f"weight sync: {name} has placement {p!r}, which resharding does not read")
     if isinstance(p, Shard):
         return ("S", p.dim % ndim)
     if isinstance(p, Replicate):
@@ -98,19 +124,41 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor if local is None else local).detach()
 
 
-def describe(model: nn.Module, ranks: list[int]) -> dict[str, TensorLayout]:
+def _expert_tensors(model: nn.Module) -> dict[str, int]:
+    """State name -> E (the global expert count) of each tensor an ExpertParallelExperts holds a slice of."""
+    from lockstep.parallel.expert import ExpertParallelExperts, expert_tensor_names
+
+    return {f"{prefix}.{n}": m.n_global_experts for prefix, m in model.named_modules()
+            if isinstance(m, ExpertParallelExperts) for n in expert_tensor_names(m)}
+
+
+def describe(model: nn.Module, ranks: list[int], mesh: Any = None) -> dict[str, TensorLayout]:
     """Where each state tensor of this side's ``model`` lives; ``ranks``: this side's global ranks (a
-    plain tensor is whole on each of them). Every rank of the side gives the same answer."""
+    plain tensor is whole on each of them). ``mesh``: the side's DeviceMesh when its experts are
+    expert-parallel (its ``ep`` dim splits them; they are whole on the other dims). Every rank of the
+    side gives the same answer."""
+    experts = _expert_tensors(model)
+    if experts and (mesh is None or "ep" not in (mesh.mesh_dim_names or ())):
+        raise ValueError("weight sync: the model's experts are expert-parallel; describe() needs the mesh with "
+                         "their 'ep' dim")
     out = {}
     for name, tensor in unique_state(model):
         dtype = str(tensor.dtype).removeprefix("torch.")
-        mesh = getattr(tensor, "device_mesh", None)
-        if mesh is None:
+        tensor_mesh = getattr(tensor, "device_mesh", None)
+        if name in experts:
+            if tensor_mesh is not None:
+                raise ValueError(f"weight sync: {name} is expert-parallel and a DTensor (experts FSDP-sharded as "
+                                 f"well: ep < dp_shard), which resharding does not read")
+            names = mesh.mesh_dim_names
+            out[name] = TensorLayout((experts[name], *tensor.shape[1:]), dtype, tuple(mesh.mesh.shape),
+                                     tuple(int(r) for r in mesh.mesh.flatten().tolist()),
+                                     tuple(("S", 0) if n == "ep" else ("R",) for n in names))
+        elif tensor_mesh is None:
             out[name] = TensorLayout(tuple(tensor.shape), dtype, (len(ranks),), tuple(ranks), (("R",),))
-            continue
-        placements = tuple(_placement(p, name, max(tensor.ndim, 1)) for p in tensor.placements)
-        out[name] = TensorLayout(tuple(tensor.shape), dtype, tuple(mesh.mesh.shape),
-                                 tuple(int(r) for r in mesh.mesh.flatten().tolist()), placements)
+        else:
+            out[name] = TensorLayout(tuple(tensor.shape), dtype, tuple(tensor_mesh.mesh.shape),
+                                     tuple(int(r) for r in tensor_mesh.mesh.flatten().tolist()),
+                                     _placements(tensor, name))
     return out
 
 

@@ -20,6 +20,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lockstep import numerics
 from lockstep.config.base import ConfigError
@@ -63,7 +64,8 @@ def _image_batch(model: nn.Module, ids: list[list[int]], images: Sequence[Sequen
 
 def score_logprobs(model: nn.Module, sequences: Sequence[Sequence[int] | torch.Tensor],
                    prompt_lengths: Sequence[int], *, temperature: float | Sequence[float] = 1.0,
-                   full_forward: bool = False, images: Sequence[SequenceImages] | None = None) -> list[torch.Tensor]:
+                   full_forward: bool = False, images: Sequence[SequenceImages] | None = None,
+                   pad_to: int = 1) -> list[torch.Tensor]:
     """Per sequence, the fp32 log-probabilities ``[len - prompt_len]`` of its tokens after the prompt.
 
     ``sequences[i]`` is prompt + response token ids; ``prompt_lengths[i]`` (>= 1) how many are
@@ -72,8 +74,10 @@ def score_logprobs(model: nn.Module, sequences: Sequence[Sequence[int] | torch.T
     sequence and run through ``model.trunk`` + ``model.output`` once; gradients flow unless the
     caller disables them. ``full_forward`` calls ``model(tokens)`` (every position through the head)
     instead of ``trunk`` + ``output`` on the response rows: a model wrapped by FSDP must be called
-    through its root forward. In batch-invariant mode both give the same bits (the head's rows do
+    through its root forward, and a tensor-parallel one's vocabulary-sharded logits are gathered whole. In batch-invariant mode both give the same bits (the head's rows do
     not depend on how many rows it gets). ``images``: per sequence, its images or None (module docstring).
+    ``pad_to``: the padded width is a multiple of it (sequence parallelism splits the sequence evenly over
+    the tp ranks; padding on the right changes no earlier position's logits).
     """
     ids = [_as_ids(s) for s in sequences]
     lengths = [int(p) for p in prompt_lengths]
@@ -95,13 +99,15 @@ def score_logprobs(model: nn.Module, sequences: Sequence[Sequence[int] | torch.T
             raise ConfigError(f"score_logprobs: temperature: must be > 0, got {t} (use 1 for greedy)")
     numerics.prepare_model(model)
     device = model.tok_embeddings.weight.device
-    width = max(len(s) for s in ids)
+    width = -(-max(len(s) for s in ids) // pad_to) * pad_to
     # one tensor from the padded lists (a graph capture records it as one constant)
     tokens = torch.tensor([seq + [0] * (width - len(seq)) for seq in ids], dtype=torch.long).to(device)
     rows = [(i, p - 1, len(s) - 1) for i, (s, p) in enumerate(zip(ids, lengths))]
     vision = _image_batch(model, ids, images, device)
     if full_forward:
         everything = model(tokens, **vision)
+        if isinstance(everything, DTensor):  # a tensor-parallel head: logits sharded on the vocabulary
+            everything = everything.full_tensor()  # gathered whole, as the generator's (differentiable)
         logits = torch.cat([everything[i, a:b] for i, a, b in rows])
     else:
         if vision:  # what the model's forward does with images, before the head

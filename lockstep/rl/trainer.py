@@ -66,7 +66,7 @@ class RLTrainer:
         reference = None
         if config.loss.kl_coef > 0 and runtime.distributed:  # copied before sharding: FSDP refuses deepcopy
             reference = runtime.shard_frozen(copy.deepcopy(policy.model), config.parallel)
-        self.model = runtime.parallelize(policy.model, config.parallel,  # FSDP2/HSDP over the trainer ranks
+        self.model = runtime.parallelize(policy.model, config.parallel,  # FSDP2/HSDP, TP, EP over the trainer ranks
                                          mode=config.training.mode)
         self.learner = Learner(run_config, self.model, runtime, reference=reference)
         self.env = run_config.task.build()
@@ -116,7 +116,7 @@ class RLTrainer:
             graph=graph_manifest(self.runtime),  # training.mode and, in graph mode, the passes
             workers={"trainer_ranks": list(range(self.layout.dp)),
                      "trainer_layout": {"dp_replicate": cfg.parallel.dp_replicate, "dp_shard": cfg.parallel.dp_shard,
-                                        "fsdp": self.layout.dp > 1},
+                                        "tp": cfg.parallel.tp, "ep": cfg.parallel.ep, "fsdp": cfg.trainer_dp > 1},
                      "generator_ranks": [self.layout.generator_rank(g) for g in range(n)],
                      "mode": "colocated" if n == 0 else "separate processes (torchrun, torch.distributed)",
                      "backend": dist.get_backend() if dist.is_initialized() else None,

@@ -37,7 +37,7 @@ class GroupSenders:
 
     def __init__(self, model: nn.Module, layout: RLLayout) -> None:
         self.layout = layout
-        mine = describe(model, list(range(layout.trainer_world)))
+        mine = describe(model, list(range(layout.trainer_world)), mesh=layout.runtime.mesh)
         self.plans = {g: _plan(layout, g, mine) for g in range(layout.n_generators)}  # same order everywhere
         self.senders = {g: ReshardSender(model, plan, layout.rank, layout.sync_groups[g],
                                          watch_rank=layout.generator_rank(g)) for g, plan in self.plans.items()}
