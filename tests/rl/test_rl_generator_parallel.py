@@ -32,8 +32,6 @@ def test_world_size_counts_each_generator_group(tmp_path):
                                                                             "group of 2 processes needs generator"),
     (["--workers.generator-parallel.tp", "2", "--workers.weight-sync", "gather"], "workers.weight_sync: 'gather'"),
     (["--workers.weight-sync", "bcast"], "workers.weight_sync: must be one of"),
-    (["--workers.generator-parallel.tp", "2", "--numerics.batch-invariant"], "numerics.batch_invariant: "
-                                                                            "batch-invariant mode does not run"),
     (["--parallel.dp-shard", "2", "--liveness.on-generator-loss", "continue"], "liveness.on_generator_loss: "
                                                                                "'continue' drops"),
 ])
@@ -99,4 +97,41 @@ def test_rl_ep2_generator_batch_invariant_logprobs_equal_the_trainers(tmp_path):
     assert [r["step"] for r in records] == [1, 2] and [r["rollout_version"] for r in records] == [0, 1]
     assert [r["logprob_diff/max"] for r in records] == [0.0, 0.0]
     # each rank holds half of the routed experts: the head receives less than the group holds
+    assert 0 < records[0]["generator/weight_sync_bytes"] < records[0]["generator/weight_sync_group_bytes"]
+
+
+@pytest.mark.slow
+def test_rl_tp2_trainer_with_one_process_generator(tmp_path):
+    """Trainer ranks 0-1 (tensor-parallel, sequence parallel, loss through the gathered vocabulary) + a
+    one-process generator (rank 2), with a KL term (the frozen reference placed like the policy) and a
+    checkpoint: the loop runs, every version reaches the generator by the resharding sync (each trainer
+    rank sends its own shards), and the generator's log-probabilities match the trainer's to fp32 rounding
+    (TP splits the row-parallel sums: not the one-process order; a wrong or stale weight gives O(1))."""
+    _cli(tmp_path, "--steps", "2", "--parallel.tp", "2", "--loss.kl-coef", "0.05", "--checkpoint.every", "2",
+         timeout=400)
+    run_dir = Path(tmp_path / "run")
+    records = step_records(run_dir)
+    assert [r["step"] for r in records] == [1, 2] and [r["rollout_version"] for r in records] == [0, 1]
+    assert max(r["logprob_diff/max"] for r in records) < 1e-3
+    assert records[1]["grad_norm"] > 0 and records[1]["loss/kl"] > 0
+    full = records[0]["weight_sync/bytes_all_ranks"]
+    # each trainer rank holds half of the sharded weights and sends only what it holds
+    assert 0 < records[0]["weight_sync/bytes"] < full == records[0]["generator/weight_sync_bytes"]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["workers"]["trainer_layout"]["tp"] == 2 and manifest["workers"]["generator_ranks"] == [2]
+    assert (run_dir / "checkpoints" / "step-00000002").is_dir() and (run_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_rl_tp2_trainer_tp2_generator_batch_invariant_logprobs_equal(tmp_path):
+    """Trainer ranks 0-1 (TP 2) + a TP-2 generator group (ranks 2-3), batch-invariant: the generator's
+    log-probabilities equal the trainer's bitwise every step. The same TP degree on both sides fixes the
+    reduction order (each row-parallel layer's two partials summed in rank order, the head's logits whole
+    before the log-softmax; docs/numerics.md), and the synced weights are the trainer's bit for bit."""
+    _cli(tmp_path, "--steps", "2", "--parallel.tp", "2", "--workers.generator-parallel.tp", "2",
+         "--numerics.batch-invariant", "--output.no-save-weights", timeout=400)
+    records = step_records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2] and [r["rollout_version"] for r in records] == [0, 1]
+    assert [r["logprob_diff/max"] for r in records] == [0.0, 0.0]
+    assert records[1]["grad_norm"] > 0
     assert 0 < records[0]["generator/weight_sync_bytes"] < records[0]["generator/weight_sync_group_bytes"]
