@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 from lockstep.config.base import Config, ConfigError, join_path, require, require_choice, require_positive
-from lockstep.data.image_samples import ImageTextBatch, ImageTextSample, VisionTokens, expand_sample, rows_batch
+from lockstep.data.image_samples import (ImageProcessor, ImageTextBatch, ImageTextSample, VisionTokens, expand_sample,
+                                         rows_batch)
 from lockstep.data.images import ImageProcessorConfig
 from lockstep.data.shapes import COLOURS, SHAPES, draw_shape
 
@@ -57,32 +58,45 @@ class ImageMixConfig(Config):
         return self.source != "none"
 
 
-def require_qwen_tower(model_config: Any, path: str) -> None:
-    """ConfigError naming ``path`` unless the model has Qwen3-VL's vision tower (whose processor,
-    :mod:`lockstep.data.images`, this module and the RL rollout use) and image token ids."""
+def require_vision_tower(model_config: Any, path: str) -> None:
+    """ConfigError naming ``path`` unless the model has image token ids and a vision tower whose processor is
+    here (:func:`processor_for`: Qwen3-VL's ViT, Kimi K2.5's MoonViT); this module and the RL rollout use it."""
+    from lockstep.models.common.moonvit import MoonViTConfig
     from lockstep.models.common.vision import VisionConfig
 
     family = getattr(model_config, "family", type(model_config).__name__)
     tower = getattr(model_config, "vision", None)
     if tower is None or not hasattr(model_config, "image_token_id"):
-        raise ConfigError(f"{path}: image samples need a vision-language model (qwen3_vl), got model family "
-                          f"{family!r}")
-    if not isinstance(tower, VisionConfig):
-        raise ConfigError(f"{path}: images are preprocessed with Qwen3-VL's processor here; model family {family!r} "
-                          f"has a {type(tower).__name__} tower with its own processor (not wired)")
+        raise ConfigError(f"{path}: image samples need a vision-language model (qwen3_vl, kimi_k25), got model "
+                          f"family {family!r}")
+    if not isinstance(tower, (VisionConfig, MoonViTConfig)):
+        raise ConfigError(f"{path}: model family {family!r} has a {type(tower).__name__} tower, whose image "
+                          f"processor is not wired in (Qwen3-VL's and Kimi K2.5's are)")
 
 
-def processor_for(model_config: Any) -> ImageProcessorConfig:
-    """The image processor matching a Qwen3-VL config's tower (its patch, temporal patch and merge sizes)."""
+def processor_for(model_config: Any, min_pixels: int | None = None, max_pixels: int | None = None
+                  ) -> ImageProcessor:
+    """The image processor of a vision-language config's tower, with its patch (and temporal patch) and merge
+    sizes: Qwen3-VL's (:mod:`lockstep.data.images`; pixel bounds ``min_pixels`` -- default: one merged patch,
+    so small images are not scaled up -- and ``max_pixels``) or, for MoonViT, Kimi K2.5's
+    (:mod:`lockstep.models.kimi_k25.images`: transformers' defaults, at most 16384 patches and 512 a side,
+    never scaled up; the pixel bounds are Qwen's and do not apply)."""
+    from lockstep.models.common.moonvit import MoonViTConfig
+    from lockstep.models.kimi_k25.images import KimiImageProcessorConfig
+
     v = model_config.vision
+    if isinstance(v, MoonViTConfig):
+        return KimiImageProcessorConfig(patch_size=v.patch_size, merge_size=v.merge_size)
+    bounds = {} if max_pixels is None else {"max_pixels": max_pixels}
     return ImageProcessorConfig(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-                                merge_size=v.spatial_merge_size, min_pixels=(v.patch_size * v.spatial_merge_size) ** 2)
+                                merge_size=v.spatial_merge_size,
+                                min_pixels=min_pixels or (v.patch_size * v.spatial_merge_size) ** 2, **bounds)
 
 
 def vision_tokens(model_config: Any, tokenizer_vocab: int, path: str = "data.images.source") -> VisionTokens:
     """The model's image token ids; ConfigError when the model has no vision tower or the tokenizer's ids
     reach them (a caption token would be read as an image placeholder)."""
-    require_qwen_tower(model_config, path)
+    require_vision_tower(model_config, path)
     ids = VisionTokens.of(model_config)
     lowest = min(ids.image_token_id, ids.vision_start_token_id, ids.vision_end_token_id)
     if lowest < tokenizer_vocab:
@@ -108,7 +122,7 @@ class ImageMixLoader:
     """Rows of one image+text sample + a corpus window (module docstring); yields ImageTextBatch."""
 
     def __init__(self, samples: list[ImageTextSample], text: torch.Tensor, ids: VisionTokens,
-                 processor: ImageProcessorConfig, *, seq_len: int, batch_size: int, seed: int = 0,
+                 processor: ImageProcessor, *, seq_len: int, batch_size: int, seed: int = 0,
                  shuffle: bool = True, rank: int = 0, world_size: int = 1, pad_id: int = 0,
                  name: str = "images") -> None:
         """``name``: the config field the samples come from (error messages start with it)."""
@@ -186,7 +200,8 @@ class ImageMixLoader:
 def image_mix_loaders(config: ImageMixConfig, tokenizer: Any, model_config: Any, train_text: torch.Tensor,
                       val_text: torch.Tensor, *, seq_len: int, batch_size: int, seed: int, rank: int = 0,
                       world_size: int = 1) -> tuple[ImageMixLoader, ImageMixLoader]:
-    """(train, validation) loaders of ``config`` (``source = "shapes"``) for ``model_config``'s tower."""
+    """(train, validation) loaders of ``config`` (``source = "shapes"``) for ``model_config``'s tower (its own
+    processor: Qwen3-VL's or Kimi K2.5's)."""
     if model_config is None:
         raise ConfigError("data.images.source: image samples need the model config (DataConfig.build(model_config=))")
     ids = vision_tokens(model_config, tokenizer.vocab_size)

@@ -1,9 +1,11 @@
 """The image+text sample format and its batches, for vision-language training and scoring.
 
 A sample is token ids with one *marker* id wherever an image goes, plus the images in order
-(:class:`ImageTextSample`). :func:`collate` preprocesses the images (:mod:`lockstep.data.images`), replaces
-each marker by ``vision_start, image_token * n, vision_end`` (``n`` = the image's merged patch count, as
-transformers' Qwen3-VL processor expands ``<|image_pad|>``), right-pads the rows and builds the targets:
+(:class:`ImageTextSample`). :func:`collate` preprocesses the images with the model's processor (an
+:class:`ImageProcessor`: Qwen3-VL's :mod:`lockstep.data.images`, Kimi K2.5's
+:mod:`lockstep.models.kimi_k25.images`), replaces each marker by ``vision_start, image_token * n, vision_end``
+(``n`` = the image's merged patch count, as transformers' processors expand ``<|image_pad|>`` /
+``<|media_pad|>``), right-pads the rows and builds the targets:
 the next token, or ``IGNORE`` where the next token is an image placeholder or padding (image patches
 are inputs, never predicted). A text-only sample is a sample without images; batches mix them freely.
 """
@@ -12,14 +14,25 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from lockstep.data.images import ImageProcessorConfig, preprocess_images
+from lockstep.data.images import ProcessedImages
 
 #: target of positions that are not scored (cross_entropy's ignore_index)
 IGNORE = -100
+
+
+class ImageProcessor(Protocol):
+    """A model's image preprocessing settings (``ImageProcessorConfig``, ``KimiImageProcessorConfig``)."""
+
+    #: side of the square of patches merged into one decoder token
+    merge_size: int
+
+    def preprocess(self, images: Sequence[Any]) -> ProcessedImages:
+        """Images (PIL or uint8 arrays) -> patch rows and grids, images in order."""
+        ...
 
 
 @dataclasses.dataclass
@@ -32,7 +45,7 @@ class ImageTextSample:
 
 @dataclasses.dataclass(frozen=True)
 class VisionTokens:
-    """The special token ids of a vision-language vocabulary (Qwen3-VL's config fields)."""
+    """The special token ids of a vision-language vocabulary (Qwen3-VL's and Kimi K2.5's config fields)."""
 
     image_token_id: int
     vision_start_token_id: int
@@ -42,7 +55,7 @@ class VisionTokens:
 
     @classmethod
     def of(cls, model_config: Any, marker: int | None = None) -> "VisionTokens":
-        """The ids of a Qwen3-VL model config; the marker defaults to the image token itself."""
+        """The ids of a vision-language model config; the marker defaults to the image token itself."""
         return cls(model_config.image_token_id, model_config.vision_start_token_id, model_config.vision_end_token_id,
                    model_config.image_token_id if marker is None else marker)
 
@@ -83,7 +96,7 @@ def expand_markers(tokens: Sequence[int], counts: Sequence[int], ids: VisionToke
     return out
 
 
-def collate(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessorConfig, pad_id: int,
+def collate(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessor, pad_id: int,
             seq_len: int | None = None) -> ImageTextBatch:
     """One right-padded batch, a row per sample (module docstring). ``seq_len``: the row length (default:
     the longest row); a longer row is an error naming the sample -- cutting it could split an image."""
@@ -96,11 +109,11 @@ def collate(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: Im
     return rows_batch(rows, expanded, ids, pad_id, width)
 
 
-def expand_sample(sample: ImageTextSample, ids: VisionTokens, processor: ImageProcessorConfig
+def expand_sample(sample: ImageTextSample, ids: VisionTokens, processor: ImageProcessor
               ) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:
     """``(token row with the images' placeholders, pixel_values, grid_thw)`` of one sample (images None
     without images)."""
-    processed = preprocess_images(sample.images, processor) if sample.images else None
+    processed = processor.preprocess(sample.images) if sample.images else None
     counts = processed.tokens_per_image(processor.merge_size) if processed else []
     row = expand_markers(sample.tokens, counts, ids)
     if processed is None:
@@ -108,7 +121,7 @@ def expand_sample(sample: ImageTextSample, ids: VisionTokens, processor: ImagePr
     return row, torch.from_numpy(processed.pixel_values), torch.from_numpy(processed.grid_thw)
 
 
-def _expand_all(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessorConfig
+def _expand_all(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessor
                 ) -> list[tuple[list[int], torch.Tensor | None, torch.Tensor | None]]:
     out = []
     for index, sample in enumerate(samples):
@@ -134,7 +147,7 @@ def rows_batch(rows: list[list[int]], expanded: list[tuple[list[int], torch.Tens
     return ImageTextBatch(tokens, targets, torch.cat(pixels) if pixels else None, torch.cat(grids) if grids else None)
 
 
-def pack(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessorConfig, pad_id: int,
+def pack(samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessor, pad_id: int,
          seq_len: int) -> ImageTextBatch:
     """Whole samples, in order, packed greedily into rows of ``seq_len`` (a sample that does not fit
     starts the next row; the rest of a row is padding). Samples in one row follow each other as in
@@ -156,7 +169,7 @@ class ImageTextLoader:
     ``batch_samples`` samples each (text-only and image+text samples mixed). Epoch ``e`` visits every
     sample once in an order that is a pure function of ``(seed, e)``; the state is ``(epoch, position)``."""
 
-    def __init__(self, samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessorConfig, *,
+    def __init__(self, samples: Sequence[ImageTextSample], ids: VisionTokens, processor: ImageProcessor, *,
                  seq_len: int, batch_samples: int, pad_id: int = 0, seed: int = 0) -> None:
         if not samples or batch_samples <= 0 or batch_samples > len(samples):
             raise ValueError(f"batch_samples must be in [1, {len(samples)}] (the number of samples), "

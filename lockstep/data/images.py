@@ -55,6 +55,10 @@ class ImageProcessorConfig(Config):
                 "image_mean and image_std need one value per RGB channel")
         super().validate(path)
 
+    def preprocess(self, images: Sequence[Any]) -> "ProcessedImages":
+        """:func:`preprocess_images` with these settings (the processor contract Kimi K2.5's shares)."""
+        return preprocess_images(images, self)
+
 
 @dataclasses.dataclass
 class ProcessedImages:

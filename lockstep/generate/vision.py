@@ -5,12 +5,15 @@
     Request(prompt_ids=[...] or prompt="...", images=[img0, img1, ...], sampling=SamplingParams(...))
 
 - ``images``: the request's images in prompt order; each is a PIL image, a uint8 array ``[H, W]`` /
-  ``[H, W, 3]`` (preprocessed by the engine, :mod:`lockstep.data.images`, with the model's patch and
-  merge sizes and ``EngineConfig.image_min_pixels`` / ``image_max_pixels``), or a :class:`PixelImage`
-  (already preprocessed: patch rows ``[t*h*w, C*tp*p*p]`` and the patch grid ``(t, h, w)``).
+  ``[H, W, 3]`` (preprocessed by the engine with the model's own processor,
+  :func:`lockstep.data.image_mix.processor_for`: Qwen3-VL's :mod:`lockstep.data.images` with the tower's
+  patch and merge sizes and ``EngineConfig.image_min_pixels`` / ``image_max_pixels``; Kimi K2.5's
+  :mod:`lockstep.models.kimi_k25.images`, transformers' defaults), or a :class:`PixelImage` (already
+  preprocessed: patch rows ``[t*h*w, C*tp*p*p]`` and the patch grid ``(t, h, w)``).
 - The prompt holds one *run* of ``config.image_token_id`` per image, in order (each image between
   ``vision_start`` and ``vision_end``, as the chat template writes it): a run of one placeholder
-  (``<|image_pad|>`` as a chat template renders it) is expanded to the image's ``t*h*w / merge**2``
+  (``<|image_pad|>`` / Kimi's ``<|media_pad|>`` as a chat template renders it) is expanded to the image's
+  ``t*h*w / merge**2``
   placeholders; a run that already has that length (transformers' processor output) is kept. Anything
   else is a ConfigError naming ``Request.images`` or ``Request.prompt_ids``; so are images given to a
   model without a vision tower, and placeholders in a prompt without images.
@@ -30,8 +33,8 @@
 3. at decode (:meth:`ImageInputs.decode_positions`): the rotary position of cache position ``p`` is
    ``p + delta`` (all three axes equal, so the 2-D plain-RoPE path); the paged cache keeps ``p``.
 
-Batches mix image and text-only requests freely. A model without ``image_positions`` (Kimi K2.5: plain
-positions) takes only :class:`PixelImage` inputs here (its own preprocessing is not wired in).
+Batches mix image and text-only requests freely. A model without ``image_positions`` (Kimi K2.5: MoonViT,
+no DeepStack) keeps plain positions: the prompt's are ``0..n-1`` on all three axes and ``delta`` is 0.
 """
 
 from __future__ import annotations
@@ -139,7 +142,7 @@ class ImageInputs:
     """The engine's image handling for one vision-language model (see the module docstring)."""
 
     def __init__(self, model: Any, min_pixels: int, max_pixels: int) -> None:
-        from lockstep.data.images import ImageProcessorConfig
+        from lockstep.data.image_mix import processor_for
 
         self.config = config = model.config
         self.image_token_id: int = config.image_token_id
@@ -149,11 +152,8 @@ class ImageInputs:
         temporal = getattr(vision, "temporal_patch_size", 1)
         self.patch_dim: int = vision.in_channels * temporal * vision.patch_size ** 2
         self.mrope = hasattr(model, "image_positions")
-        #: raw images are preprocessed with the model's patch and merge sizes (lockstep.data.images;
-        #: Qwen3-VL's processor, so only for mRoPE models)
-        self.processor = ImageProcessorConfig(patch_size=vision.patch_size, merge_size=self.merge,
-                                              temporal_patch_size=temporal, min_pixels=min_pixels,
-                                              max_pixels=max_pixels) if self.mrope else None
+        #: the processor of raw images: the model's own (Qwen3-VL's with the pixel bounds, or Kimi K2.5's)
+        self.processor = processor_for(config, min_pixels, max_pixels)
 
     @classmethod
     def for_model(cls, model: Any, min_pixels: int, max_pixels: int) -> "ImageInputs | None":
@@ -164,8 +164,6 @@ class ImageInputs:
 
     def _pixels(self, images: SequenceType[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """``([P, D] float32 patch rows, [N, 3] grids)`` of a request's images, checked."""
-        from lockstep.data.images import preprocess_image
-
         if isinstance(images, (str, bytes)) or not isinstance(images, SequenceType):
             raise ConfigError(f"Request.images: must be a list of images, got {type(images).__name__}")
         rows, grids = [], []
@@ -181,15 +179,12 @@ class ImageInputs:
                     raise ConfigError(f"Request.images[{i}].pixel_values: shape {list(pixels.shape)}, expected "
                                       f"[{grid[0] * grid[1] * grid[2]}, {self.patch_dim}] for grid {grid}")
                 pixels = pixels.detach().float().cpu()
-            elif not self.mrope:
-                raise ConfigError(f"Request.images[{i}]: this model ({self.config.family}) takes preprocessed "
-                                  f"PixelImage inputs only here")
             else:
                 try:
-                    array, grid = preprocess_image(image, self.processor)
-                except (ValueError, TypeError) as err:
-                    raise ConfigError(f"Request.images[{i}]: {err}") from None
-                pixels = torch.from_numpy(array.copy())
+                    processed = self.processor.preprocess([image])
+                except (ValueError, TypeError) as err:  # the processor names the image images[0]
+                    raise ConfigError(f"Request.images[{i}]: {str(err).removeprefix('images[0]: ')}") from None
+                pixels, grid = torch.from_numpy(processed.pixel_values), tuple(processed.grid_thw[0].tolist())
             rows.append(pixels)
             grids.append(grid)
         return torch.cat(rows), torch.tensor(grids, dtype=torch.long)

@@ -253,18 +253,17 @@ class Rollout:
 
     def _images(self, task: Task) -> tuple[tuple[torch.Tensor, torch.Tensor], list[int]]:
         """The task's images preprocessed for the engine's model, and their placeholder runs."""
-        from lockstep.data.image_mix import processor_for, require_qwen_tower
+        from lockstep.data.image_mix import processor_for, require_vision_tower
         from lockstep.data.image_samples import VisionTokens, expand_markers
-        from lockstep.data.images import preprocess_images
 
         config = self.engine.model.config
-        require_qwen_tower(config, f"rollout: task {task.task_id!r} has images")
+        require_vision_tower(config, f"rollout: task {task.task_id!r} has images")
         if self.chat_template is not None:
             raise ConfigError(f"rollout: task {task.task_id!r} has images: image placeholders are placed before a "
                               "plain prompt only, not inside a chat template's messages")
         engine_images = getattr(self.engine, "vision", None)  # lockstep's engine: its own preprocessing settings
         processor = engine_images.processor if engine_images is not None else processor_for(config)
-        processed = preprocess_images(task.images, processor)
+        processed = processor.preprocess(task.images)
         ids = VisionTokens.of(config)
         block = expand_markers([ids.marker] * len(task.images), processed.tokens_per_image(processor.merge_size), ids)
         return (torch.from_numpy(processed.pixel_values), torch.from_numpy(processed.grid_thw)), block

@@ -292,29 +292,6 @@ def test_cli_generate_with_image(pair, tmp_path, capsys):
         cmd_generate(["--checkpoint", str(tmp_path), "--prompt", "x", "--image", str(tmp_path / "image.png")])
 
 
-def test_kimi_k25_pixel_image_equals_reference():
-    """Kimi K2.5 (plain positions, MoonViT without temporal patches, MLA + MoE decoder) takes PixelImage
-    inputs: greedy tokens == its full-recompute reference; a raw image is refused (its processor is not wired)."""
-    from lockstep.models.kimi_k25.model import greedy_generate
-
-    model = tiny_model("kimi_k25", image_token_id=IMAGE, video_token_id=ref.VIDEO, vision_start_token_id=START,
-                       vision_end_token_id=END)
-    vision = model.config.vision
-    grid = (1, 4, 6)
-    pixels = torch.randn(24, vision.in_channels * vision.patch_size ** 2, generator=torch.Generator().manual_seed(0))
-    count = 24 // vision.merge_size ** 2
-    prompt = [5, 6, 7, START, IMAGE, END, 9, 10]
-    expanded = prompt[:4] + [IMAGE] * count + prompt[5:]
-    expected = greedy_generate(model, torch.tensor([expanded]), pixels, torch.tensor([grid]), NEW_TOKENS)
-    engine = _engine(model)
-    [result] = engine.generate([Request(prompt_ids=prompt, images=[PixelImage(pixels, grid)],
-                                        sampling=SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS))])
-    assert result.prompt_ids == expanded
-    assert result.token_ids == expected[0, len(expanded):].tolist()
-    with pytest.raises(ConfigError, match=r"Request.images\[0\]: this model \(kimi_k25\) takes preprocessed"):
-        engine.add_request(Request(prompt_ids=prompt, images=[_images()[0]]))
-
-
 def test_message_images_sources_and_errors(tmp_path):
     """Image parts by value, local path, file:// and data: URL load the same pixels; web URLs and broken parts
     are ConfigErrors naming the part."""

@@ -53,6 +53,11 @@ class KimiImageProcessorConfig(Config):
                 "image_mean and image_std need one value per RGB channel")
         super().validate(path)
 
+    def preprocess(self, images: Sequence[Any]) -> ProcessedImages:
+        """:func:`preprocess_images` with these settings (the processor contract of
+        :mod:`lockstep.data.image_samples`, shared with Qwen3-VL's)."""
+        return preprocess_images(images, self)
+
 
 def navit_resize(height: int, width: int, patch: int, merge: int, max_patches: int, max_per_side: int
                  ) -> tuple[tuple[int, int], tuple[int, int]]:
