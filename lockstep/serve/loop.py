@@ -11,7 +11,8 @@ the running batch between steps: continuous batching across concurrent HTTP requ
 (:class:`ServableEngine`): ``add_request(Request) -> id``, ``step() -> [StreamEvent]``, ``abort(id)``,
 ``has_unfinished``, ``tokenizer``, ``max_seq_len``. ``on_logits`` (the lockstep Engine's hook,
 ``on_logits(seq_ids, logits [B, V] fp32)``) is optional: without it, top-N log-probabilities are
-refused (:attr:`EngineLoop.supports_top_logprobs`).
+refused (:attr:`EngineLoop.supports_top_logprobs`); so is ``vision`` (the lockstep Engine's, not None
+for a vision-language model): without it, chat image parts are refused (:mod:`lockstep.serve.images`).
 
 **Overload.** At most ``max_batch_size + max_queue`` requests are in flight (running or waiting);
 one more is refused with :class:`QueueFull` (HTTP 429). After :meth:`stop`, or once a step raised,
