@@ -407,7 +407,7 @@ class ParallelRuntime:
             return flex.describe()
         return "fsdp2" if self.dims.dp > 1 else None
 
-    def describe(self, family: str | None = None, config: ParallelConfig | None = None) -> dict:
+    def describe(self, family: str | None = None, config: ParallelConfig | None = None, images: bool = False) -> dict:
         from lockstep.parallel.dist_moe import describe_dispatch
         from lockstep.parallel.tested_layouts import matching_parity_test
 
@@ -416,7 +416,7 @@ class ParallelRuntime:
         if family is not None and config is not None and self.distributed:
             parity = matching_parity_test({"dp_replicate": d.dp_replicate, "dp_shard": d.dp_shard, "tp": d.tp,
                                            "ep": d.ep, "pp": d.pp, "cp": d.cp}, family,
-                                          config.pp_schedule, config.cp_method)
+                                          config.pp_schedule, config.cp_method, images)
         sharding = self._sharding()
         if parity is not None and isinstance(sharding, dict):  # FlexShard: proven equal to FSDP2 separately
             parity = (f"{parity} (FSDP2) + tests/parallel/test_flex_shard.py::test_flex_matches_fsdp2_world{d.dp}"

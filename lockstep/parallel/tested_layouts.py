@@ -7,6 +7,8 @@ defaults) and extra CLI flags (model flags: the one-process reference runs with 
 
 from __future__ import annotations
 
+from typing import Any
+
 FOUR_LAYERS = ["--model.n-layers", "4"]  # interleaved / V schedules place 2 stages per rank
 # DeepSeek-V3's aux-loss-free bias update and sequence-wise balance loss (off in the debug recipe)
 BALANCING = ["--model.feed-forward.bias-update-speed", "0.01", "--model.feed-forward.seq-aux-loss-coef", "0.01"]
@@ -147,6 +149,16 @@ PARAMS_CHECKED |= {"dp_shard=2 qwen3_5", "dp_shard=2 qwen3_next", "dp_shard=2 gp
 TESTED_LAYOUTS += [("dp_shard=2 qwen3_vl (vision tower, images)", "debug-qwen3-vl", 2, {"dp_shard": 2}, []),
                    ("ep=2 x dp_shard=2 qwen3_vl moe (images)", "debug-qwen3-vl-moe", 2, {"dp_shard": 2, "ep": 2}, [])]
 PARAMS_CHECKED |= {"dp_shard=2 qwen3_vl (vision tower, images)", "ep=2 x dp_shard=2 qwen3_vl moe (images)"}
+# tensor + sequence parallel with images (parallel/visual.py): the tower replicated on the tp ranks, each
+# rank's share of the placeholders and DeepStack rows, the tower's output gradient summed over tp
+TESTED_LAYOUTS += [("tp=2 qwen3_vl (DeepStack, mRoPE, images)", "debug-qwen3-vl", 2, {"tp": 2}, []),
+                   # world 4: dense and MoE qwen3_vl are one family, tp=2 alone would name the dense entry
+                   ("tp=2 x ep=2 qwen3_vl moe (expert TP, images)", "debug-qwen3-vl-moe", 4,
+                    {"dp_shard": 2, "ep": 2, "tp": 2}, []),
+                   ("dp_shard=2 qwen3_5 (vision tower, images)", "debug-qwen35-vl", 2, {"dp_shard": 2}, []),
+                   ("tp=2 qwen3_5 (Gated DeltaNet, vision tower, images)", "debug-qwen35-vl", 2, {"tp": 2}, [])]
+PARAMS_CHECKED |= {"tp=2 qwen3_vl (DeepStack, mRoPE, images)", "tp=2 x ep=2 qwen3_vl moe (expert TP, images)",
+                   "dp_shard=2 qwen3_5 (vision tower, images)", "tp=2 qwen3_5 (Gated DeltaNet, vision tower, images)"}
 
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")
 
@@ -159,12 +171,15 @@ def degree_flags(degrees: dict) -> list[str]:
     return flags
 
 
-def matching_parity_test(resolved: dict, family: str, schedule: str, cp_method: str) -> str | None:
-    """The test id proving a layout with these resolved degrees, for this model family."""
+def matching_parity_test(resolved: dict, family: str, schedule: str, cp_method: str,
+                         images: bool = False) -> str | None:
+    """The test id proving a layout with these resolved degrees, for this model family, on image+text
+    batches (``images``) or text."""
     from lockstep.recipes import get_recipe
 
     for test_id, recipe, world, degrees, _ in TESTED_LAYOUTS:
-        if get_recipe(recipe).config().model.family != family:
+        config = get_recipe(recipe).config()
+        if config.model.family != family or trains_on_images(config) != images:
             continue
         want = {k: 1 for k in _DEGREES} | {"dp_shard": world // max(1, _product(degrees))} | degrees
         if any(want[k] != resolved[k] for k in _DEGREES):
@@ -175,6 +190,12 @@ def matching_parity_test(resolved: dict, family: str, schedule: str, cp_method: 
             continue
         return f"tests/parallel/test_loss_parity.py::test_layout_matches_one_process[{test_id}]"
     return None
+
+
+def trains_on_images(config: Any) -> bool:
+    """Whether a run config's batches hold images (``data.images``; configs without it: text)."""
+    images = getattr(getattr(config, "data", None), "images", None)
+    return bool(images is not None and images.enabled)
 
 
 def _product(degrees: dict) -> int:

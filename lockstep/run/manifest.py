@@ -16,6 +16,7 @@ import torch
 from lockstep import numerics
 from lockstep.config.base import to_dict
 from lockstep.observe import RunManifest
+from lockstep.parallel.tested_layouts import trains_on_images
 
 #: sections every run's manifest.json has (besides versions, hardware, checks, started_at)
 COMMON_SECTIONS = ("recipe", "model", "numerics", "kernels", "determinism", "parallel", "checkpoint", "resumed",
@@ -50,7 +51,7 @@ def run_manifest(run_dir: Path, config, *, model: dict, kernels: dict, runtime, 
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "note": "same recipe, seed, machine and thread count give bitwise identical losses",
         },
-        parallel=runtime.describe(config.model.family, parallel),
+        parallel=runtime.describe(config.model.family, parallel, trains_on_images(config)),
         checkpoint=checkpoint.describe() if checkpoint is not None else None,
         resumed=resumed,
         result=None,
