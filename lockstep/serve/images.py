@@ -98,7 +98,7 @@ def _allowed_file(url: str, where: str, allowed: Path | None) -> Path:
     root = Path(allowed).resolve()
     try:
         path = Path(urllib.parse.unquote(parsed.path)).resolve(strict=True)
-    except (OSError, RuntimeError):
+    except (OSError, RuntimeError, ValueError):  # missing, a symlink loop, a NUL byte
         path = None
     if path is None or not path.is_relative_to(root) or not path.is_file():
         raise ApiError(400, f"{where}: no image file {parsed.path!r} inside the allowed image directory", where)

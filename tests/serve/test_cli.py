@@ -19,7 +19,8 @@ import pytest
 
 from lockstep.cli import main
 from lockstep.generate import Request, SamplingParams
-from lockstep.serve.cli import build_engine
+from lockstep.serve.cli import build_engine, image_limits, parse_args
+from lockstep.serve.images import ImageLimits
 from tests.serve.conftest import load
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +40,13 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bad_flags_fail_before_loading(model_dir, capsys, flags, message):
     assert main(["serve", "--checkpoint", str(model_dir), *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_image_flags_are_the_servers_image_limits(model_dir, tmp_path):
+    args = parse_args(["--checkpoint", str(model_dir), "--allowed-image-dir", str(tmp_path),
+                       "--max-images-per-request", "2", "--max-image-pixels", "100"])
+    assert image_limits(args) == ImageLimits(max_images=2, max_pixels=100, allowed_dir=tmp_path)
+    assert image_limits(parse_args(["--checkpoint", str(model_dir)])).allowed_dir is None  # no file:// by default
 
 
 def test_missing_checkpoint(tmp_path, capsys):

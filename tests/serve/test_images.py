@@ -207,6 +207,7 @@ FIELD = "messages[0].content[0].image_url.url"
     ([part("/etc/hostname")], FIELD, "an image URL must be a data:image/...;base64 URL"),
     ([part("file:///etc/hostname")], FIELD, "no image file '/etc/hostname' inside the allowed image directory"),
     ([part("file://{dir}/link.png")], FIELD, "inside the allowed image directory"),
+    ([part("file://{dir}/a.png%00.png")], FIELD, "inside the allowed image directory"),
     ([part("file://{dir}/../{name}-outside/b.png")], FIELD, "inside the allowed image directory"),
     ([part(BIG)], FIELD, "the image is 64x65 = 4160 pixels; this server takes at most 4096 per image"),
     ([part(PNG)] * 4, "messages", "more than 3 images in one request"),
