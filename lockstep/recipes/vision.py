@@ -6,7 +6,9 @@ image question (``lockstep rl``).
   (``data.images.source = "shapes"``, :mod:`lockstep.data.image_mix`). The model's vocabulary is the
   Shakespeare tokenizer's 4096 ids plus the image token ids above them. ``debug-qwen3-vl-moe``: the same
   with the MoE text model (``debug-moe``: 8 experts, top-2). ``debug-qwen35-vl``: the same rows for
-  Qwen3.5's image-text model (``qwen3_5`` ``debug-vl``).
+  Qwen3.5's image-text model (``qwen3_5`` ``debug-vl``). ``debug-kimi-k25-vl``: the same rows for Kimi K2.5
+  (``kimi_k25`` ``debug``: MoonViT + projector, DeepSeek-V3 MLA + MoE decoder), its images through Kimi's
+  processor (:mod:`lockstep.models.kimi_k25.images`).
 - ``rl-qwen3-vl-shapes``: GRPO of that model (random init) on ``shape_count`` -- "How many circles are in
   the image?" over pictures drawn per task seed -- with the exact answer rewarded 1.0 and another reply
   0.2 x its similarity to the count's word (``shaping``: a random policy's groups get reward variance, so
@@ -21,7 +23,7 @@ import dataclasses
 
 from lockstep.data.config import DataConfig
 from lockstep.data.image_mix import ImageMixConfig
-from lockstep.models.qwen3_vl.config import Qwen3VLConfig
+from lockstep.models.common.transformer import TransformerConfig
 from lockstep.models.registry import model_config
 from lockstep.recipes.pretrain import debug
 from lockstep.numerics import NumericsConfig
@@ -34,8 +36,8 @@ from lockstep.train.config import TrainerConfig
 TEXT_VOCAB = 4096
 
 
-def shakespeare_vl_model(flavor: str = "debug", family: str = "qwen3_vl") -> Qwen3VLConfig:
-    """A vision-language flavor (``qwen3_vl``, or ``qwen3_5``'s ``-vl`` ones) whose vocabulary is the
+def shakespeare_vl_model(flavor: str = "debug", family: str = "qwen3_vl") -> TransformerConfig:
+    """A vision-language flavor (``qwen3_vl``, ``qwen3_5``'s ``-vl`` ones, ``kimi_k25``) whose vocabulary is the
     Shakespeare tokenizer's plus the vision tokens after it (the flavors put them at the top of a 4096
     vocabulary, where the tokenizer's own merges are)."""
     cfg = model_config(family, flavor)
@@ -69,6 +71,14 @@ def debug_qwen3_vl_moe() -> TrainerConfig:
 def debug_qwen35_vl() -> TrainerConfig:
     cfg = debug_qwen3_vl()
     cfg.model = shakespeare_vl_model("debug-vl", family="qwen3_5")
+    return cfg
+
+
+@recipe("debug-kimi-k25-vl", "debug-qwen3-vl with Kimi K2.5 (kimi_k25 debug: MoonViT + projector, DeepSeek-V3 "
+        "MLA + MoE decoder; Kimi's image processor), for tests")
+def debug_kimi_k25_vl() -> TrainerConfig:
+    cfg = debug_qwen3_vl()
+    cfg.model = shakespeare_vl_model(family="kimi_k25")
     return cfg
 
 
