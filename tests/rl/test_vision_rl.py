@@ -104,7 +104,7 @@ def test_shape_count_env_is_deterministic_and_rewards_the_count():
     engine = Engine(build_model(model_config("qwen3", "debug")), None, EngineConfig(cache_memory_mb=4))
     with pytest.raises(ConfigError, match=r"^rollout: task 'shape_count#7' has images: image samples need a vision"):
         Rollout(engine, tokenizer=_NoTokenizer())._start(env, 7, 0, 0, 0)
-    require_vision_tower(model_config("kimi_k25", "debug"), "rollout")  # its own processor (tests/rl/test_kimi_rl.py)
+    require_vision_tower(model_config("kimi_k25", "debug"), "rollout")  # tests/models/kimi_k25/test_kimi_k25_rl.py
     with pytest.raises(ConfigError, match=r"^sft\.steps: the SFT warm-up trains on text prompts only"):
         sft_example(task, " {answer}", None, None, False, None)
 
