@@ -8,10 +8,11 @@ Bitwise claims (``torch.equal``): ep_chunks 2 and 4 vs 1 (losses of 2 AdamW step
 of step 0, every rank), no-drop vs a capacity factor large enough that nothing drops, no-drop vs the
 synchronous uneven exchange (ep_chunks=0, fp32; measured equal, see its test), ep_chunks=4 with
 and without full activation checkpointing, and ep_chunks 1 and 4 with and without the emulated link
-(``LOCKSTEP_EP_LINK_EMULATION``; its waits must cover the emulated latency). Drops: a known small example and the same input twice
-give the same drop set. A plan's layout: only real rows on the wire, split sizes agreeing between
-ranks, owner groups padded only up to 16 rows. A recorded timeline shows the overlap's order; a
-short ``lockstep train`` run shows the metrics and manifest entry.
+(``LOCKSTEP_EP_LINK_EMULATION``; its waits must cover the emulated latency). Drops: a known small
+example and the same input twice give the same drop set. A plan's layout: only real rows on the
+wire, split sizes agreeing between ranks, owner groups padded only up to 16 rows. A recorded
+timeline shows the overlap's order; a short ``lockstep train`` run shows the metrics and manifest
+entry.
 """
 
 import datetime
