@@ -19,7 +19,7 @@ thread, gloo's included), mean over ranks -- on a shared host wall time mostly m
 
     .venv/bin/python benchmarks/moe_overlap.py [--worlds 2,4] [--flavor tiny] [--batch 2] [--seq 128]
         [--chunks 4] [--steps 3] [--dtype fp32] [--capacity-factor 1.25] [--routings learned]
-        [--link-mb-per-s 100 --link-latency-us 50]
+        [--link-mb-per-s 100 --link-latency-us 50] [--link-emulate 50,100]
 
 The configurations run interleaved in rounds (this host's speed drifts) and the table shows medians.
 ``--capacity-factor f`` adds a learned-routing row with the drop policy (``dropped/step``: token
