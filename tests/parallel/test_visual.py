@@ -45,3 +45,16 @@ def test_a_run_on_images_names_the_image_layout_test():
     assert text.endswith("[tp=2 qwen3_5 (Gated DeltaNet, gated attention)]")
     # qwen3_vl's entries are all on images: a text-only qwen3_vl run at tp=2 has no parity test
     assert matching_parity_test(tp2, "qwen3_vl", "1F1B", "allgather") is None
+
+
+def test_plan_sizes_the_tower_under_tp_and_names_the_refused_image_layouts():
+    from lockstep.parallel.plan.cli import plan_from_args
+
+    plan, _, _ = plan_from_args(["--recipe", "debug-qwen3-vl", "--world", "2", "--tp", "2"])
+    assert not any("refuses" in n for n in plan.notes) and not any("no TP rule" in n for n in plan.notes)
+    tp = [c.what for c in plan.worst.collectives if c.group == "tp"]
+    assert any(w.startswith("vision tower output grads (bwd, x3 features") for w in tp)  # embeds + 2 DeepStack
+    for field in ("cp", "pp"):
+        plan, _, _ = plan_from_args(["--recipe", "debug-qwen3-vl", "--world", "2", f"--{field}", "2"])
+        assert any(n.startswith(f"lockstep's trainer refuses this layout today: parallel.{field}: image+text")
+                   for n in plan.notes), plan.notes

@@ -101,7 +101,28 @@ def plan_from_args(argv: list[str]) -> tuple[Plan, Any, argparse.Namespace]:
         activation_checkpoint=_activation_checkpoint(args, defaults), pp_schedule=pick("pp_schedule", "1F1B"),
         reshard_after_forward=pick("reshard_after_forward", "always"), pp_split=pick("pp_split", "even"),
         cp_method=pick("cp_method", "allgather"))
+    if args.recipe:
+        refusal = _image_refusal(cfg, layout)
+        if refusal:
+            plan.notes.append(f"lockstep's trainer refuses this layout today: {refusal}")
     return plan, config, args
+
+
+def _image_refusal(cfg: Any, layout: Layout) -> str:
+    """Why lockstep's trainer refuses ``layout`` for a recipe training on image+text batches ('' if it
+    does not, or the recipe trains on text): the config check ``lockstep train`` runs."""
+    from lockstep.data.image_mix import check_image_training
+    from lockstep.parallel.dims import ParallelConfig
+    from lockstep.parallel.tested_layouts import trains_on_images
+
+    if not trains_on_images(cfg):
+        return ""
+    try:
+        check_image_training(cfg.data, cfg.model, ParallelConfig(tp=layout.tp, cp=layout.cp, pp=layout.pp),
+                             cfg.training.mode)
+    except ConfigError as err:
+        return str(err)
+    return ""
 
 
 def _activation_checkpoint(args: argparse.Namespace, defaults: dict[str, Any]) -> ActivationCheckpointConfig:

@@ -117,10 +117,17 @@ def step_collectives(stage: StagePlan, model: nn.Module, block_names: list[str],
                                   act, 2 * heads * M))
             out.append(Collective("all-reduce", "tp", L.tp, "loss-parallel cross-entropy (max, sum-exp, target)",
                                   3 * T * 4 * heads, M))
-        rep = sum(math.prod(p.pre_fsdp_shape()) for p in stage.params if p.tp_dim is None)
+        rep = sum(math.prod(p.pre_fsdp_shape()) for p in stage.params if p.tp_dim is None and p.kind != "vision")
         if rep:
             out.append(Collective("all-reduce", "tp", L.tp, "grads of TP-replicated params (norms, router, ...)",
                                   rep * gb, M))
+        tower = getattr(model, "visual", None)
+        if tower is not None and any(p.kind == "vision" for p in stage.params):
+            # the tower's parameter gradients are not reduced: its output's gradient is (bwd, every rank's
+            # visual positions); sized as if every position held an image token (an upper bound)
+            features = 1 + len(getattr(tower, "deepstack_merger_list", ()))
+            out.append(Collective("all-reduce", "tp", L.tp, f"vision tower output grads (bwd, x{features} "
+                                  "features; upper bound: every position an image token)", act * features, M))
     if L.ep > 1:
         moe_blocks = [n for n in block_names if ffn_is_moe(_get(model, n))]
         if moe_blocks:

@@ -224,6 +224,8 @@ def _tp_rule(mod_name: str, mod: nn.Module, pname: str, parent: nn.Module | None
              p: torch.Tensor) -> tuple[str, int | None]:
     """(kind, TP-split dim or None) of parameter ``pname`` of ``mod``."""
     leaf = mod_name.rsplit(".", 1)[-1]
+    if mod_name.split(".", 1)[0] == "visual":  # the vision tower: replicated over tp (parallel/visual.py)
+        return "vision", None
     if isinstance(mod, nn.Embedding):
         return "embedding", 0
     if isinstance(mod, GroupedExperts):  # w1, w3 [E, F, D]; w2 [E, D, F]: split F; b1, b3 [E, F]; b2 [E, D]
