@@ -105,8 +105,6 @@ def test_resume_refuses_a_changed_recipe(tmp_path):
     (["--rollout.group-size", "1"], "group_size >= 2"),
     (["--task.eval-every", "1", "--task.eval-seed-offset", "2"], "overlap"),
     (["--steps", "0"], "steps: must be >= 1"),
-    (["--parallel.pp", "2"], "parallel.pp: the RL trainer supports dp_replicate, dp_shard, tp and ep"),
-    (["--parallel.cp", "2"], "parallel.cp: the RL trainer supports"),
     (["--parallel.tp", "2", "--workers.generators", "0"], "parallel.tp: colocated generation"),
     (["--parallel.dp-shard", "4", "--parallel.ep", "2"], "parallel.ep: the RL trainer's experts are split over ep"),
     (["--parallel.tp", "2", "--training.mode", "graph"], "training.mode: graph mode runs data-parallel"),
