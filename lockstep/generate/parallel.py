@@ -43,7 +43,7 @@ DTensor redistributions and collectives of every layer: not done), ``weights_dty
 parallel hooks) and ``speculative`` (the MTP draft path is not sharded) are ConfigErrors naming the
 field. Batch-invariant mode runs under both: under TP each rank runs the invariant kernels on its
 local shards and row-parallel partials are summed in rank order
-(:class:`lockstep.ops.batch_invariant.OrderedSum`), so a TP generator's log-probabilities equal a
+(:class:`lockstep.ops.tp_invariant.OrderedSum`), so a TP generator's log-probabilities equal a
 trainer's of the same TP degree bit for bit (docs/numerics.md says which layout pairs agree); under
 EP it is bitwise equal to one process in the tested cases. ``pack_weights`` is silently
 off, as under FSDP (:func:`lockstep.generate.packed.packable` refuses DTensor parameters). Refused

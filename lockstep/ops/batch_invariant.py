@@ -29,7 +29,7 @@ MLA's per-head projections (:func:`head_matmul`) are per head this module's :fun
 elementwise transcendentals go through :func:`elementwise` (whole vectors, one-thread pieces).
 
 Under tensor parallelism (weights that are DTensors of the TP styles) :func:`linear` runs on the
-local shards, row-parallel partials summed in a fixed order (:class:`OrderedSum`): a trainer and a
+local shards, row-parallel partials summed in a fixed order (:mod:`lockstep.ops.tp_invariant`): a trainer and a
 generator of one TP degree agree bitwise, and ``k_split`` lets one degree reproduce another's
 sums (:mod:`lockstep.parallel.tp_sums`).
 
@@ -45,12 +45,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
 from lockstep.ops import bi_kernel, decode_linear
 from lockstep.ops.attention import BATCH_INVARIANT, register_attention_backend, with_sink_key
+from lockstep.ops.tp_invariant import sharded_linear, tree_sum
 
 #: fp32 rows per tile: one tile holds a 16-sequence decode step (32 would double its work, and
 #: pad a single sequence's row 32-fold); at trainer sizes 16 and 32 cost about the same
@@ -131,12 +131,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            ) -> torch.Tensor:
     """Batch-invariant ``F.linear`` (autocast honoured: inputs cast as F.linear's would be).
 
-    ``k_split`` > 1: the dot products over K computed as ``k_split`` partials over equal slices of K
-    (the bias joins the first), added by :func:`tree_sum`: the arithmetic of a row-parallel layer
-    sharded ``k_split`` ways, so one layout reproduces another's bits
-    (:func:`lockstep.parallel.tp_sums.split_row_parallel_sums`). On a tensor-parallel weight (a
-    DTensor) the local shards are computed (:func:`_sharded_linear`), row-parallel ones split
-    ``k_split`` ways locally."""
+    ``k_split`` > 1: the dot products over K computed as ``k_split`` partials over equal slices of
+    K (the bias joins the first), added by :func:`~lockstep.ops.tp_invariant.tree_sum`: the
+    arithmetic of a row-parallel layer sharded ``k_split`` ways, so one layout reproduces another's
+    bits (:func:`lockstep.parallel.tp_sums.split_row_parallel_sums`). A tensor-parallel weight (a
+    DTensor) is computed on its local shards (:func:`~lockstep.ops.tp_invariant.sharded_linear`),
+    a row-parallel one split ``k_split`` ways locally."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -149,7 +149,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_split: int = 1) -> torch.Tensor:
     if isinstance(weight, DTensor):
-        return _sharded_linear(x, weight, bias, k_split)
+        return sharded_linear(x, weight, bias, k_split, _linear)
     if k_split > 1:
         if weight.shape[1] % k_split:
             raise ValueError(f"batch-invariant linear: k_split={k_split} does not divide K={weight.shape[1]}")
@@ -162,78 +162,6 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, k_
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def tree_sum(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``parts`` added pairwise, level by level (``(p0 + p1) + (p2 + p3)``; an odd last one carried
-    up): with ``n * m`` parts, ``m`` a power of two, the first levels sum each aligned group of ``m``
-    and the rest are the tree over the ``n`` group sums. So a sum over ``n`` ranks of each rank's
-    ``m``-way split equals one process's ``n * m``-way split, bit for bit."""
-    while len(parts) > 1:
-        parts = [parts[i] + parts[i + 1] if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
-    return parts[0]
-
-
-class OrderedSum(Partial):
-    """A pending sum over a 1-D mesh reduced in a fixed order: every rank all-gathers the partials
-    and adds them by :func:`tree_sum` in rank order, so the bits do not depend on the backend's ring
-    or tree order (NCCL's depends on the rank count and message size; at 2 ranks every order is
-    ``a + b``). A row-parallel batch-invariant linear's output carries it; the TP styles' output
-    hooks reduce it (to ``Replicate``, or to ``Shard`` under sequence parallelism: the same sum, then
-    this rank's chunk)."""
-
-    def __init__(self) -> None:
-        super().__init__("sum")
-
-    def _reduce_value(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.Tensor:
-        group = mesh.get_group(mesh_dim)
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return tree_sum(parts)
-
-    def _reduce_shard_value(self, tensor: torch.Tensor, mesh, mesh_dim: int, shard_spec) -> torch.Tensor:
-        whole = self._reduce_value(tensor, mesh, mesh_dim)
-        return whole.chunk(mesh.size(mesh_dim), dim=shard_spec.dim)[mesh.get_local_rank(mesh_dim)].contiguous()
-
-    def __eq__(self, other: object) -> bool:
-        return type(other) is OrderedSum
-
-    def __hash__(self) -> int:
-        return hash("OrderedSum")
-
-    def __repr__(self) -> str:
-        return "OrderedSum()"
-
-    __str__ = __repr__
-
-
-def _sharded_linear(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, k_split: int) -> torch.Tensor:
-    """The batch-invariant linear of a tensor-parallel layer (a weight on a 1-D mesh, as the TP
-    styles of :mod:`lockstep.parallel` leave it): this module's kernel on the local shards, so each
-    rank computes exactly what a one-process call of the local shapes would. Column-parallel
-    (``Shard(0)``): the local output columns, ``Shard(-1)``: bitwise the one-process linear's
-    columns (each output is its own dot product over all of K). Row-parallel (``Shard(1)``): the
-    partial dot products over this rank's slice of K (``k_split`` ways; the bias joins rank 0's),
-    pending an :class:`OrderedSum`. ``x`` is what the style's input hook made: a DTensor (replicated,
-    or sharded on its last dim) or a plain local tensor. Gradients flow as for ``F.linear`` on DTensors."""
-    mesh, placements = weight.device_mesh, tuple(weight.placements)
-    if mesh.ndim != 1 or placements not in ((Shard(0),), (Shard(1),)):
-        raise NotImplementedError(f"batch-invariant linear: a weight sharded {placements} on a {mesh.ndim}-D mesh; "
-                                  "tensor-parallel layers (Shard(0) or Shard(1) on the tp mesh) only")
-    if placements == (Shard(0),):  # column-parallel: the input replicated (its gradient a partial sum)
-        if isinstance(x, DTensor):
-            x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-        if isinstance(bias, DTensor):
-            bias = bias.to_local()
-        out = _linear(x, weight.to_local(), bias)
-        return DTensor.from_local(out, mesh, [Shard(out.ndim - 1)], run_check=False)
-    if isinstance(x, DTensor):  # row-parallel: the input sharded on its last dim
-        x = x.redistribute(placements=[Shard(x.ndim - 1)]).to_local()
-    if bias is not None:  # on every rank (its gradient path), zero but on rank 0
-        bias = bias.to_local(grad_placements=[Partial()]) if isinstance(bias, DTensor) else bias
-        bias = bias * float(mesh.get_local_rank() == 0)
-    out = _linear(x, weight.to_local(), bias, k_split)
-    return DTensor.from_local(out, mesh, [OrderedSum()], run_check=False)
 
 
 def head_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,8 @@ with or without sequence parallelism) computes what one process computes everywh
 row-parallel layers: every column-parallel output is its own dot product over all of K, each
 attention head is computed whole on one rank, norms are per row, and the vocabulary-parallel
 embedding and head gather exact values. A row-parallel layer (GQA's ``wo``, SwiGLU's ``w2``) sums
-K as n rank partials added by :func:`lockstep.ops.batch_invariant.tree_sum`
-(:class:`~lockstep.ops.batch_invariant.OrderedSum`).
+K as n rank partials added by :func:`lockstep.ops.tp_invariant.tree_sum`
+(:class:`~lockstep.ops.tp_invariant.OrderedSum`).
 
 ``split_row_parallel_sums(model, n)`` makes those layers of a model sum K in n slices the same way
 (:class:`lockstep.numerics.SwitchableLinear`'s ``k_split``): a one-process model (or FSDP: its

@@ -9,12 +9,14 @@ sequence parallel, DTensor parameters and activations), scored by
 :func:`lockstep.rl.scoring.score_logprobs` on the finished sequences in one padded batch, with
 gradients on (the RL learner's forward) -- and its backward runs.
 
-Claims, per family (llama3; qwen3 with q/k norms; qwen3_moe with expert TP) and dtype (fp32, bf16):
-the trainer's log-probabilities ``torch.equal`` the engine's; the engine's tokens on both ranks are
-the same. Why it holds: column-parallel layers compute their columns as one process would (each
-output its own dot product over all of K), attention runs per local head, row-parallel partials are
-summed in rank order (:class:`lockstep.ops.batch_invariant.OrderedSum`), and the head's logits are
-whole before the log-softmax on both sides.
+Claims, per family (llama3; qwen3 with q/k norms; qwen3_moe with expert TP) and dtype (fp32, bf16),
+and deepseek_v3 (MLA + MoE with shared experts; fp32, scored in eval mode: its MTP training loss
+needs the trainer's loss-parallel context): the trainer's log-probabilities ``torch.equal`` the
+engine's; the engine's tokens on both ranks are the same. Why it holds: column-parallel layers
+compute their columns as one process would (each output its own dot product over all of K),
+attention runs per local head, row-parallel partials are summed in rank order
+(:class:`lockstep.ops.tp_invariant.OrderedSum`), and the head's logits are whole before the
+log-softmax on both sides.
 
 TP 2 vs one process differs (the row-parallel layers split K; asserted not equal), unless the one
 process splits its row-parallel sums as TP 2 does (:func:`lockstep.parallel.tp_sums.split_row_parallel_sums`,
@@ -40,15 +42,17 @@ from lockstep.generate.parallel import GroupEngine, share_requests, shard_for_ge
 from lockstep.models.common.transformer import build_meta_model
 from lockstep.models.registry import model_config
 from lockstep.ops import batch_invariant as bi
+from lockstep.ops.tp_invariant import tree_sum
 from lockstep.parallel.parallelize import apply_dense_tp
 from lockstep.parallel.tp_sums import split_row_parallel_sums
 from lockstep.rl.scoring import score_logprobs
 from tests.generate.conftest import prompts, tiny_model
 
 WORLD = 2
-FAMILIES = ["llama3", "qwen3", "qwen3_moe"]
-DENSE = ["llama3", "qwen3"]  # split_row_parallel_sums covers GQA + SwiGLU blocks
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: (family, dtype name); deepseek_v3: MLA (absorbed latent path) + MoE with shared experts, expert TP
+CASES = [f"{family}/{name}" for family in ("llama3", "qwen3", "qwen3_moe") for name in DTYPES] + ["deepseek_v3/fp32"]
+DENSE = ["llama3", "qwen3"]  # split_row_parallel_sums covers GQA + SwiGLU blocks
 ENGINE = dict(cache_memory_mb=2, block_size=4, max_batch_size=2, pack_weights=False, batch_invariant=True)
 LENGTHS = [3, 9, 12, 6]
 NEW_TOKENS = [5, 3, 4, 5]
@@ -70,14 +74,17 @@ def _case(family: str, dtype: torch.dtype, requests: list[Request], mesh: Device
     done = GroupEngine(generator, None, EngineConfig(**ENGINE)).generate(requests)
     trainer = tiny_model(family).to(dtype)
     apply_dense_tp(trainer, mesh)  # the trainer's rule: sequence parallel, DTensor parameters
-    trainer.train()
+    # train mode, as the learner runs; DeepSeek's MTP training loss under TP needs the trainer's
+    # loss-parallel context, which scoring does not set up: its forward is scored in eval mode
+    trainer.train(family != "deepseek_v3")
     temps = [r.sampling.temperature or 1.0 for r in requests]
     sequences = [r.prompt_ids + list(d.token_ids) for r, d in zip(requests, done)]
     lengths = [len(r.prompt_ids) for r in requests]
     with numerics.batch_invariant():
         scored = score_logprobs(trainer, sequences, lengths, temperature=temps, full_forward=True)
         torch.cat(scored).sum().backward()
-    grads = all(p.grad is not None for p in trainer.parameters() if p.requires_grad)
+    # every parameter but the MTP layers' (unused by a scoring forward) receives a gradient
+    grads = all(p.grad is not None for n, p in trainer.named_parameters() if p.requires_grad and "mtp." not in n)
     out = {"engine": [torch.tensor(d.logprobs) for d in done], "tokens": [list(d.token_ids) for d in done],
            "trainer": [s.detach() for s in scored], "grads": grads}
     if family in DENSE:  # one process with its row-parallel sums split as TP-2's: either side of the pair
@@ -97,8 +104,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                             timeout=datetime.timedelta(seconds=300))  # a loaded CI host
     mesh = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("tp",))
     requests = share_requests(_requests() if rank == 0 else None)
-    results = {f"{family}/{name}": _case(family, dtype, requests, mesh)
-               for family in FAMILIES for name, dtype in DTYPES.items()}
+    results = {case: _case(case.split("/")[0], DTYPES[case.split("/")[1]], requests, mesh) for case in CASES}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -112,9 +118,6 @@ def results(computed_once):
 
     tmp = computed_once("parallel-bi spawn", make)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
-CASES = [f"{family}/{name}" for family in FAMILIES for name in DTYPES]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -159,7 +162,7 @@ def test_split_sums_compose_across_degrees(dtype):
         layer.k_split = 4
         whole = layer(x)
     halves = [bi.linear(x[:, i * 64:(i + 1) * 64], w[:, i * 64:(i + 1) * 64], k_split=2) for i in range(2)]
-    assert torch.equal(whole, bi.tree_sum(halves))
+    assert torch.equal(whole, tree_sum(halves))
     assert not torch.equal(whole, bi.linear(x, w))  # the split changes the bits: why TP degrees differ
 
 
