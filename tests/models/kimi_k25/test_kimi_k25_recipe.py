@@ -41,7 +41,8 @@ def test_debug_kimi_k25_vl_recipe_trains(tmp_path):
     assert ((batch.tokens == cfg.model.image_token_id).sum(dim=1) == 16).all()
     result = trainer.fit()
     print(f"debug-kimi-k25-vl losses {result.losses}")
-    # measured 8.32 -> 7.68 in 8 steps (6.57 in a 20-step run); a step that saw no image or no gradient would not move the tower
+    # measured 8.32 -> 7.68 in 8 steps (6.57 in a 20-step run); a step that saw no image or no gradient would
+    # not move the tower
     assert result.losses[-1] < result.losses[0] - 0.4
     trained = load_file(tmp_path / "run" / "model.safetensors")
     initial = build_model(cfg.model, seed=cfg.seed).state_dict()
