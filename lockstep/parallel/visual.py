@@ -1,4 +1,4 @@
-"""Image inputs under tensor + sequence parallelism (Qwen3-VL, Qwen3.5's image-text model).
+"""Image inputs under tensor + sequence parallelism (Qwen3-VL, Qwen3.5's image-text model, Kimi K2.5).
 
 The vision tower stays replicated: plain parameters, every tp rank encoding the same images (the tp
 ranks of one data-parallel index see the same batch), or FSDP-sharded with the root unit over the
@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch import nn
 
 from lockstep.models.common.vision import VisionFeatures, VisualInputs
+from lockstep.models.kimi_k25.model import KimiK25Model
 from lockstep.models.qwen3_vl.model import Qwen3VLModel
 from lockstep.parallel.tp_blocks import grad_sum_region
 
@@ -46,7 +47,7 @@ def shard_visual(visual: VisualInputs, rank: int, size: int, grad_sum=None) -> V
 def apply_visual_sequence_parallel(model: nn.Module, tp_mesh) -> None:
     """Make a vision-language model's visual inputs those of its tp rank's sequence shard (module
     docstring); a model without a vision tower is left alone."""
-    if not isinstance(model, Qwen3VLModel):
+    if not isinstance(model, (Qwen3VLModel, KimiK25Model)):  # the models with the ``shard_visual`` seam
         return
     rank, size, grad_sum = tp_mesh.get_local_rank(), tp_mesh.size(), grad_sum_region(tp_mesh)
 

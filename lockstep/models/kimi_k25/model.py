@@ -22,10 +22,14 @@ class KimiK25Model(DeepSeekV3Transformer):
     def __init__(self, config) -> None:
         super().__init__(config)
         self.visual = config.vision.build(out_dim=config.dim)
+        #: set by sequence parallelism (lockstep.parallel.visual): the whole sequence's visual inputs ->
+        #: those of this rank's sequence shard
+        self.shard_visual = None
 
     def visual_inputs(self, tokens: torch.Tensor, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisualInputs:
         """Encode the images once; what ``trunk(visual=...)`` takes (also for a generation prefill)."""
-        return VisualInputs(tokens == self.config.image_token_id, self.visual(pixel_values, grid_thw))
+        visual = VisualInputs(tokens == self.config.image_token_id, self.visual(pixel_values, grid_thw))
+        return visual if self.shard_visual is None else self.shard_visual(visual)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 pixel_values: torch.Tensor | None = None, grid_thw: torch.Tensor | None = None) -> torch.Tensor:
