@@ -358,9 +358,10 @@ class RLConfig(RunConfig):
                     f"the RL trainer supports dp_replicate, dp_shard, tp and ep layouts, got {name}="
                     f"{getattr(par, name)}: {why}")
         if par.ep > 1:
-            require(par.ep == par.dp_shard, "parallel.ep",
-                    f"the RL trainer's experts are split over ep and left out of FSDP (ep == dp_shard; the "
-                    f"resharding weight sync reads that layout), got ep={par.ep}, dp_shard={par.dp_shard}")
+            require(par.ep == par.dp_shard and par.dp_replicate == 1, "parallel.ep",
+                    f"the RL trainer's experts are split over ep and left out of FSDP (ep == dp_shard, "
+                    f"dp_replicate == 1; the resharding weight sync reads that layout), got ep={par.ep}, "
+                    f"dp_shard={par.dp_shard}, dp_replicate={par.dp_replicate}")
             require(par.tp == 1, "parallel.ep", f"the RL trainer runs ep or tp, not both (got tp={par.tp})")
         require(self.sft.steps == 0 or par.tp == par.ep == 1, "sft.steps",
                 f"the SFT warm-up runs on data-parallel trainer layouts only (got tp={par.tp}, ep={par.ep}); warm "
