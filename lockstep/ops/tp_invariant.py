@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from lockstep import numerics
+
 #: ``(x, weight, bias, k_split) -> x @ weight.T + bias`` on plain tensors, batch-invariant
 LocalLinear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int], torch.Tensor]
 
@@ -34,20 +36,26 @@ class OrderedSum(Partial):
     """A pending sum over a 1-D mesh reduced in a fixed order: every rank all-gathers the partials
     and adds them by :func:`tree_sum` in rank order, so the bits do not depend on the backend's ring
     or tree order (NCCL's depends on the rank count and message size; at 2 ranks every order is
-    ``a + b``). A row-parallel batch-invariant linear's output carries it; the TP styles' output
+    ``a + b``). A row-parallel batch-invariant linear's output carries it, and so does an expert-TP
+    MoE layer's partial output (:func:`lockstep.parallel.tp_blocks.moe_plan`); the TP styles' output
     hooks reduce it (to ``Replicate``, or to ``Shard`` under sequence parallelism: the same sum, then
-    this rank's chunk)."""
+    this rank's chunk). Outside batch-invariant mode it is a plain ``Partial`` sum (the backend's
+    all-reduce / reduce-scatter)."""
 
     def __init__(self) -> None:
         super().__init__("sum")
 
     def _reduce_value(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.Tensor:
+        if not numerics.is_batch_invariant():
+            return super()._reduce_value(tensor, mesh, mesh_dim)
         group = mesh.get_group(mesh_dim)
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, tensor.contiguous(), group=group)
         return tree_sum(parts)
 
     def _reduce_shard_value(self, tensor: torch.Tensor, mesh, mesh_dim: int, shard_spec) -> torch.Tensor:
+        if not numerics.is_batch_invariant():
+            return super()._reduce_shard_value(tensor, mesh, mesh_dim, shard_spec)
         whole = self._reduce_value(tensor, mesh, mesh_dim)
         return whole.chunk(mesh.size(mesh_dim), dim=shard_spec.dim)[mesh.get_local_rank(mesh_dim)].contiguous()
 

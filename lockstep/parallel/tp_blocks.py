@@ -63,6 +63,7 @@ from lockstep.models.common.compressed_attention import CompressedAttention
 from lockstep.models.common.gated_deltanet import GatedDeltaNet
 from lockstep.models.common.mla import MultiHeadLatentAttention
 from lockstep.models.common.moe import MoE
+from lockstep.ops.tp_invariant import OrderedSum
 
 
 def grad_sum_region(tp_mesh):
@@ -147,7 +148,8 @@ def moe_plan(prefix: str = "feed_forward", shared: bool = False, residual_dtenso
     plan = {
         prefix: PrepareModuleInputOutput(
             input_layouts=(residual,), desired_input_layouts=(Replicate(),), use_local_input=True,
-            output_layouts=(Partial(),), desired_output_layouts=(residual,), use_local_output=not residual_dtensor),
+            # the ranks' partial outputs summed in a fixed order in batch-invariant mode (plain Partial otherwise)
+            output_layouts=(OrderedSum(),), desired_output_layouts=(residual,), use_local_output=not residual_dtensor),
     }
     if shared:
         plan[f"{prefix}.shared_experts.w1"] = ColwiseParallel()
