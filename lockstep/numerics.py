@@ -13,7 +13,8 @@ give bitwise-identical log-probabilities. ``docs/numerics.md`` states the promis
 The switch is read at call time: attention layers resolve their kernel from it on every call
 (:func:`lockstep.ops.attention.resolve_backend`), and so do MLA's absorbed path and per-head
 projections, MoE expert matmuls and routers, and the linear layers that :func:`prepare_model`
-converts; a model built before the switch was set follows it too.
+converts; a model built before the switch was set follows it too. Tensor-parallel layers (DTensor
+weights) run the invariant kernels on their local shards (:mod:`lockstep.ops.tp_invariant`).
 """
 
 from __future__ import annotations
