@@ -156,9 +156,12 @@ TESTED_LAYOUTS += [("tp=2 qwen3_vl (DeepStack, mRoPE, images)", "debug-qwen3-vl"
                    ("tp=2 x ep=2 qwen3_vl moe (expert TP, images)", "debug-qwen3-vl-moe", 4,
                     {"dp_shard": 2, "ep": 2, "tp": 2}, []),
                    ("dp_shard=2 qwen3_5 (vision tower, images)", "debug-qwen35-vl", 2, {"dp_shard": 2}, []),
-                   ("tp=2 qwen3_5 (Gated DeltaNet, vision tower, images)", "debug-qwen35-vl", 2, {"tp": 2}, [])]
+                   ("tp=2 qwen3_5 (Gated DeltaNet, vision tower, images)", "debug-qwen35-vl", 2, {"tp": 2}, []),
+                   # MoonViT (no DeepStack) over DeepSeek-V3's MLA + MoE: heads and expert hidden dims split
+                   ("tp=2 kimi_k25 (MLA, expert TP, images)", "debug-kimi-k25-vl", 2, {"tp": 2}, [])]
 PARAMS_CHECKED |= {"tp=2 qwen3_vl (DeepStack, mRoPE, images)", "tp=2 x ep=2 qwen3_vl moe (expert TP, images)",
-                   "dp_shard=2 qwen3_5 (vision tower, images)", "tp=2 qwen3_5 (Gated DeltaNet, vision tower, images)"}
+                   "dp_shard=2 qwen3_5 (vision tower, images)", "tp=2 qwen3_5 (Gated DeltaNet, vision tower, images)",
+                   "tp=2 kimi_k25 (MLA, expert TP, images)"}
 
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")
 
