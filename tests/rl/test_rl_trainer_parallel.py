@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
@@ -59,8 +60,9 @@ def _steps(learner, config) -> list[dict]:
             for s in range(1, STEPS + 1)]
 
 
+@functools.lru_cache(maxsize=None)
 def _one_process(root, family):
-    """The reference: one process, the same episodes."""
+    """The reference: one process, the same episodes (once per family and test run)."""
     from lockstep.rl.learner import Learner
     from lockstep.rl.policy import load_policy
 
@@ -178,7 +180,7 @@ def _worker(rank, world, init_file, out_dir):
 
 
 @pytest.fixture
-def parallel_trainer(computed_once, tmp_path):
+def parallel_trainer(computed_once):
     import torch.multiprocessing as mp
 
     def run(d):
@@ -189,14 +191,14 @@ def parallel_trainer(computed_once, tmp_path):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_parallel_trainer_steps_match_one_process_and_sync_bitwise(parallel_trainer, tmp_path, name):
+def test_parallel_trainer_steps_match_one_process_and_sync_bitwise(parallel_trainer, tmp_path_factory, name):
     """Losses, grad norms and final weights of the TP / EP trainer vs one process on the same episodes.
     Tolerance: TP sums each row-parallel product over two halves and EP adds the experts' gradients in
     another order (fp32 rounding, ~1e-7 relative per op); 1e-4 is far below what a wrong shard, a missing
     gradient sum or a loss counted twice over tp would give (O(1) relative). Every generator rank holds,
     after each version, exactly the trainer's weights (``torch.equal`` per local shard)."""
     family, fields, _, generators = CASES[name]
-    want_steps, want_final = _one_process(tmp_path, family)
+    want_steps, want_final = _one_process(tmp_path_factory.getbasetemp() / "one-process", family)
     res = parallel_trainer
     got = res[0][name]
     # the KL metric is each data-parallel share's token mean weighted by its sequences: equal to one process's
