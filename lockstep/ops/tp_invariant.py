@@ -74,14 +74,14 @@ class OrderedSum(Partial):
 def sharded_linear(x: torch.Tensor, weight: DTensor, bias: torch.Tensor | None, k_split: int,
                    local: LocalLinear) -> torch.Tensor:
     """The batch-invariant linear of a tensor-parallel layer (a weight on a 1-D mesh, as the TP
-    styles of :mod:`lockstep.parallel` leave it): ``local`` (the batch-invariant linear of plain tensors,
-    ``local(x, weight, bias, k_split)``) on the local shards, so each
-    rank computes exactly what a one-process call of the local shapes would. Column-parallel
-    (``Shard(0)``): the local output columns, ``Shard(-1)``: bitwise the one-process linear's
-    columns (each output is its own dot product over all of K). Row-parallel (``Shard(1)``): the
-    partial dot products over this rank's slice of K (``k_split`` ways; the bias joins rank 0's),
-    pending an :class:`OrderedSum`. ``x`` is what the style's input hook made: a DTensor (replicated,
-    or sharded on its last dim) or a plain local tensor. Gradients flow as for ``F.linear`` on DTensors."""
+    styles of :mod:`lockstep.parallel` leave it): ``local`` (the batch-invariant linear of plain
+    tensors) on the local shards, so each rank computes exactly what a one-process call of the
+    local shapes would. Column-parallel (``Shard(0)``): the local output columns, ``Shard(-1)``:
+    bitwise the one-process linear's columns (each output is its own dot product over all of K).
+    Row-parallel (``Shard(1)``): the partial dot products over this rank's slice of K (``k_split``
+    ways; the bias joins rank 0's), pending an :class:`OrderedSum`. ``x`` is what the style's input
+    hook made: a DTensor (replicated, or sharded on its last dim) or a plain local tensor.
+    Gradients flow as for ``F.linear`` on DTensors."""
     mesh, placements = weight.device_mesh, tuple(weight.placements)
     if mesh.ndim != 1 or placements not in ((Shard(0),), (Shard(1),)):
         raise NotImplementedError(f"batch-invariant linear: a weight sharded {placements} on a {mesh.ndim}-D mesh; "
