@@ -22,7 +22,7 @@ from lockstep.generate import ChatTemplate, Engine, EngineConfig, Request, Sampl
 from lockstep.generate.chat import message_images  # noqa: E402
 from lockstep.generate.vision import PixelImage, expand_placeholders  # noqa: E402
 from lockstep.models.hf import load_hf  # noqa: E402
-from lockstep.models.kimi_k25.chat import KIMI_K25_CHAT_TEMPLATE, SPECIAL_TOKENS, kimi_k25_chat_template  # noqa: E402
+from lockstep.models.kimi_k25.chat import END_OF_TURN, KIMI_K25_CHAT_TEMPLATE, SPECIAL_TOKENS  # noqa: E402
 from lockstep.models.kimi_k25.images import KimiImageProcessorConfig, preprocess_images  # noqa: E402
 
 
@@ -44,6 +44,7 @@ PROCESSOR = KimiImageProcessorConfig(patch_size=PATCH, merge_size=MERGE)
 NEW_TOKENS = 8
 #: Kimi's chat tokens in the tiny vocabulary (media_pad / begin / end are the config's image / start / end ids)
 SPECIALS = dict(zip(SPECIAL_TOKENS, [240, 241, 242, 243, 244, START, 245, IMAGE, END]))
+TEMPLATE = ChatTemplate(KIMI_K25_CHAT_TEMPLATE, {"eos_token": END_OF_TURN})
 
 
 def _images() -> list[np.ndarray]:
@@ -167,21 +168,21 @@ def test_chat_template_with_images_equals_transformers_processor(pair):
         {"type": "image", "image": images[0]}, {"type": "text", "text": "Say what."},
         {"type": "image", "image": images[1]}]}]
     media = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
-    text = kimi_k25_chat_template().render(messages)
+    text = TEMPLATE.render(messages)
     assert text == ("<|im_system|>system<|im_middle|>S<|im_end|>"
                     f"<|im_user|>user<|im_middle|>{media}Say what.{media}<|im_end|>"
                     "<|im_assistant|>assistant<|im_middle|><think></think>")
     assert text == tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    thinking = kimi_k25_chat_template().render(messages, thinking=True)
+    thinking = TEMPLATE.render(messages, thinking=True)
     assert thinking == text[:-len("</think>")]
     expected = _processor(tokenizer).apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                          return_dict=True, return_tensors="pt")
     openai = [messages[0], {"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": images[0]}}, {"type": "text", "text": "Say what."},
         {"type": "image_url", "image_url": {"url": images[1]}}]}]
-    prompt = kimi_k25_chat_template().encode(tokenizer, messages)
+    prompt = TEMPLATE.encode(tokenizer, messages)
     assert message_images(messages) == message_images(openai) == images
-    assert kimi_k25_chat_template().encode(tokenizer, openai) == prompt
+    assert TEMPLATE.encode(tokenizer, openai) == prompt
     request = Request(prompt_ids=prompt, images=message_images(messages),
                       sampling=SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS))
     [result] = _engine(model).generate([request])

@@ -1,4 +1,5 @@
-"""Kimi K2.5's chat layout with image placeholders, as a Jinja chat template (:class:`lockstep.generate.ChatTemplate`).
+"""Kimi K2.5's chat layout with image placeholders, as a Jinja chat template (the source of a
+:class:`lockstep.generate.ChatTemplate`; data only: the model package imports nothing from generation).
 
 A released Kimi K2.5 directory ships its own template (``chat_template.jinja``), which
 :func:`lockstep.generate.chat.load_chat_template` reads; this one is for directories without it (a tiny test
@@ -18,8 +19,6 @@ Tool calls and videos are not rendered.
 """
 
 from __future__ import annotations
-
-from lockstep.generate.chat import ChatTemplate
 
 #: the special tokens of the layout; ``<|media_pad|>`` is ``config.image_token_id``, ``<|media_begin|>`` /
 #: ``<|media_end|>`` ``vision_start_token_id`` / ``vision_end_token_id``
@@ -49,8 +48,3 @@ KIMI_K25_CHAT_TEMPLATE = (
     "{%- if thinking is defined and thinking -%}<think>{%- else -%}<think></think>{%- endif -%}"
     "{%- endif -%}"
 )
-
-
-def kimi_k25_chat_template() -> ChatTemplate:
-    """Kimi K2.5's layout (module docstring) as a :class:`ChatTemplate` (``eos_token``: ``<|im_end|>``)."""
-    return ChatTemplate(KIMI_K25_CHAT_TEMPLATE, {"eos_token": END_OF_TURN})
