@@ -363,9 +363,6 @@ class RLConfig(RunConfig):
                     f"dp_replicate == 1; the resharding weight sync reads that layout), got ep={par.ep}, "
                     f"dp_shard={par.dp_shard}, dp_replicate={par.dp_replicate}")
             require(par.tp == 1, "parallel.ep", f"the RL trainer runs ep or tp, not both (got tp={par.tp})")
-        require(self.sft.steps == 0 or par.tp == par.ep == 1, "sft.steps",
-                f"the SFT warm-up runs on data-parallel trainer layouts only (got tp={par.tp}, ep={par.ep}); warm "
-                f"up in a run without them and start from it (init_from)")
         require(self.training.mode == "eager" or par.tp == par.ep == 1, "training.mode",
                 "graph mode runs data-parallel layouts only; use training.mode='eager' with parallel.tp / ep")
         world, dp = self.trainer_world_size, self.trainer_dp

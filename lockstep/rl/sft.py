@@ -10,6 +10,7 @@ reports the pass rate (reward >= ``task.pass_threshold``) and mean reward.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -17,10 +18,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lockstep.config.base import ConfigError
 from lockstep.models.common.moe import apply_routing_updates
 from lockstep.parallel.grad import clip_grad_norm
+from lockstep.parallel.runtime import ParallelRuntime
 from lockstep.rl.config import RLConfig
 from lockstep.rl.rollout import Rollout, encode_text, prompt_ids
 
@@ -39,35 +42,46 @@ def sft_example(task: Any, template: str, tokenizer: Any, chat_template: Any, ad
 
 
 def sft_warmup(model: nn.Module, env: Any, config: RLConfig, *, tokenizer: Any, chat_template: Any = None,
-               eos_id: int | None = None, log: Callable[[dict], None] | None = None) -> list[float]:
+               eos_id: int | None = None, log: Callable[[dict], None] | None = None,
+               runtime: ParallelRuntime | None = None) -> list[float]:
     """Run ``config.sft.steps`` AdamW steps on reference answers; returns the losses. Every trainer
-    rank of a sharded model runs the same batches (the warm-up is small)."""
+    rank of a sharded model runs the same batches (the warm-up is small). ``runtime``: the one that
+    parallelized ``model`` (tensor parallel: vocabulary-parallel cross-entropy on a width a multiple of
+    tp; expert parallel: expert gradients scaled and norms summed over ep, as pretraining's step)."""
     sft = config.sft
     optimizer = dataclasses.replace(config.optimizer, lr=sft.lr).build(model)
     warmup = max(1, sft.steps // 10)
     model.train()
+    tp = runtime.dims.tp if runtime is not None else 1
     losses = []
     for s in range(sft.steps):
         for group in optimizer.param_groups:
             group["lr"] = sft.lr * min(1.0, (s + 1) / warmup)
         examples = [sft_example(env.reset(seed), sft.response_template, tokenizer, chat_template,
                                 config.rollout.add_bos, eos_id) for seed in config.task.sft_seeds(s, sft.batch_size)]
-        width = max(len(ids) for ids, _ in examples)
+        width = -(-max(len(ids) for ids, _ in examples) // tp) * tp  # sequence parallel splits it evenly
         tokens = torch.zeros(len(examples), width, dtype=torch.long)
         targets = torch.full((len(examples), width), -100, dtype=torch.long)
         for i, (ids, p) in enumerate(examples):
             tokens[i, : len(ids)] = torch.tensor(ids)
             targets[i, p - 1: len(ids) - 1] = torch.tensor(ids[p:])
-        logits = model(tokens)
-        if hasattr(model, "pop_auxiliary"):
-            model.pop_auxiliary()
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
-        loss.backward()
-        clip_grad_norm(model.parameters(), config.training.max_grad_norm or float("inf"))
+        with runtime.loss_context() if runtime is not None else contextlib.nullcontext():
+            logits = model(tokens)
+            if hasattr(model, "pop_auxiliary"):
+                model.pop_auxiliary()
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+            loss.backward()
+        max_norm = config.training.max_grad_norm or float("inf")
+        if runtime is not None:
+            runtime.after_backward(model)  # every ep rank ran the same batch: expert gradients summed ep times
+            runtime.clip_grad_norm(model, max_norm)
+        else:
+            clip_grad_norm(model.parameters(), max_norm)
         optimizer.step()
         apply_routing_updates(model)  # MoE routing-bias step
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        loss = loss.detach()
+        losses.append(float(loss.full_tensor() if isinstance(loss, DTensor) else loss))
         if log is not None:
             log({"sft_step": s + 1, "sft_loss": losses[-1]})
     return losses

@@ -182,7 +182,7 @@ class RLTrainer:
                 self._phase("the SFT warm-up")
                 sft_warmup(self.model, self.env, self.run_config, tokenizer=self.policy.tokenizer,
                            chat_template=self.policy.chat_template, eos_id=self.policy.eos_id,
-                           log=lambda r: writer.write({"step": 0, "phase": "sft", **r}))
+                           log=lambda r: writer.write({"step": 0, "phase": "sft", **r}), runtime=self.runtime)
             self._refresh_shadow()
             if evaluating and self.start == 0:
                 self._phase("evaluating before RL")

@@ -1,5 +1,5 @@
-"""The RL trainer on its own layouts (``parallel.tp``, ``parallel.ep``): the learner's steps on fixed episodes
-equal one process's within fp32 rounding, and each weights version reaches one-process, TP-2 and EP-2
+"""The RL trainer on its own layouts (``parallel.tp``, ``parallel.ep``): the SFT warm-up and the learner's steps
+on fixed episodes equal one process's within fp32 rounding, and each weights version reaches one-process, TP-2 and EP-2
 generators bit-exactly through the resharding sync. One spawn of 4 processes computes every case once."""
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from tests.rl.test_rl_loop import debug_config
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
 
 #: loss and optimizer of every case: plain policy gradient (ratio 1: every token has a gradient), a KL term
-#: (the frozen reference placed like the policy), a learning rate that moves the weights
-FLAGS = ["--training.ratio-to", "current", "--loss.kl-coef", "0.05", "--optimizer.lr", "1e-3"]
+#: (the frozen reference placed like the policy), a learning rate that moves the weights; two SFT warm-up
+#: steps first (every rank the same batch)
+FLAGS = ["--training.ratio-to", "current", "--loss.kl-coef", "0.05", "--optimizer.lr", "1e-3", "--sft.steps", "2",
+         "--sft.batch-size", "4"]
 STEPS = 2
 #: name -> (family, parallel config fields, trainer ranks, generators: (kind, ranks) each)
 CASES = {
@@ -60,6 +62,13 @@ def _steps(learner, config) -> list[dict]:
             for s in range(1, STEPS + 1)]
 
 
+def _sft(model, config, policy, runtime=None) -> list[float]:
+    from lockstep.rl.sft import sft_warmup
+
+    return sft_warmup(model, config.task.build(), config, tokenizer=policy.tokenizer, eos_id=policy.eos_id,
+                      runtime=runtime)
+
+
 @functools.lru_cache(maxsize=None)
 def _one_process(root, family):
     """The reference: one process, the same episodes (once per family and test run)."""
@@ -67,9 +76,12 @@ def _one_process(root, family):
     from lockstep.rl.policy import load_policy
 
     config = _config(root, family)
-    model = load_policy(config).model
-    steps = _steps(Learner(config, model), config)
-    return steps, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    policy = load_policy(config)
+    model = policy.model
+    learner = Learner(config, model)  # the KL reference: a copy from before the warm-up, as the trainer's
+    sft = _sft(model, config, policy)
+    steps = _steps(learner, config)
+    return sft, steps, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _generator_model(config, kind, group):
@@ -98,10 +110,11 @@ def _case(rank, world, root, name, groups, sync_groups):
     out: dict = {}
     learner = model = None
     if runtime is not None:
-        policy = load_policy(config).model
-        reference = runtime.shard_frozen(copy.deepcopy(policy), ParallelConfig(**fields))
-        model = runtime.parallelize(policy, ParallelConfig(**fields))
+        policy = load_policy(config)
+        reference = runtime.shard_frozen(copy.deepcopy(policy.model), ParallelConfig(**fields))
+        model = runtime.parallelize(policy.model, ParallelConfig(**fields))
         learner = Learner(config, model, runtime, reference=reference)
+        out["sft"] = _sft(model, config, policy, runtime)
     syncs = []  # (generator ranks, plan, this rank's model / sender / receiver)
     for (kind, ranks), group in zip(generators, sync_groups):  # a group each: rank 2 receives from two plans
         mine, gen_model = None, None
@@ -192,15 +205,17 @@ def parallel_trainer(computed_once):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_parallel_trainer_steps_match_one_process_and_sync_bitwise(parallel_trainer, tmp_path_factory, name):
-    """Losses, grad norms and final weights of the TP / EP trainer vs one process on the same episodes.
+    """SFT losses, RL losses, grad norms and final weights of the TP / EP trainer vs one process on the same
+    episodes.
     Tolerance: TP sums each row-parallel product over two halves and EP adds the experts' gradients in
     another order (fp32 rounding, ~1e-7 relative per op); 1e-4 is far below what a wrong shard, a missing
     gradient sum or a loss counted twice over tp would give (O(1) relative). Every generator rank holds,
     after each version, exactly the trainer's weights (``torch.equal`` per local shard)."""
     family, fields, _, generators = CASES[name]
-    want_steps, want_final = _one_process(tmp_path_factory.getbasetemp() / "one-process", family)
+    want_sft, want_steps, want_final = _one_process(tmp_path_factory.getbasetemp() / "one-process", family)
     res = parallel_trainer
     got = res[0][name]
+    assert len(want_sft) == 2 and got["sft"] == pytest.approx(want_sft, rel=1e-4), (name, want_sft, got["sft"])
     # the KL metric is each data-parallel share's token mean weighted by its sequences: equal to one process's
     # only without data parallelism (the loss and the gradient are the step's own, on every layout)
     keys = ["loss", "grad_norm", "loss/pg_loss"] + (["loss/kl"] if fields.get("dp_shard", 1) == 1 else [])
