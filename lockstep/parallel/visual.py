@@ -17,6 +17,9 @@ every rank and counted once (a plain gradient, :func:`lockstep.parallel.grad.cli
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 from torch import nn
 
 from lockstep.models.common.vision import VisionFeatures, VisualInputs
@@ -31,11 +34,14 @@ def sequence_bounds(length: int, rank: int, size: int) -> tuple[int, int]:
     return min(rank * step, length), min((rank + 1) * step, length)
 
 
-def shard_visual(visual: VisualInputs, rank: int, size: int, grad_sum=None) -> VisualInputs:
+def shard_visual(visual: VisualInputs, rank: int, size: int,
+                 grad_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> VisualInputs:
     """``visual`` restricted to sequence shard ``rank`` of ``size``; ``grad_sum`` (backward: the sum over
-    the ranks) is applied to the tower's output before the rows are picked."""
+    the ranks) is applied to the tower's output before the rows are picked. A shard without placeholders
+    gets empty features; its backward still joins the sum (checked by hand at tp=2)."""
     start, end = sequence_bounds(visual.mask.shape[1], rank, size)
-    # features hold one row per placeholder in row-major [B, T] order: a placeholder's row is its rank
+    # features hold one row per placeholder in row-major [B, T] order: a placeholder's row is the number of
+    # placeholders before it
     row = (visual.mask.flatten().cumsum(0) - 1).view_as(visual.mask)
     local = visual.mask[:, start:end]
     rows = row[:, start:end][local]
