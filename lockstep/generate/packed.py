@@ -127,7 +127,8 @@ class PackedLinear(numerics.SwitchableLinear):
         if numerics.is_batch_invariant():
             # the batch-invariant bf16 linear is decode_linear's kernel on a fresh pack of this
             # weight; a cached pack holds the same bytes (bias added after, as that path does)
-            if w.dtype != torch.bfloat16 or torch.compiler.is_compiling() or not decode_linear.available():
+            if (w.dtype != torch.bfloat16 or torch.compiler.is_compiling() or not decode_linear.available()
+                    or self.k_split > 1):  # K summed in slices (lockstep.parallel.tp_sums): not one pack
                 return super().forward(x)
             out = _single_product(self, x, with_bias=False, kernel="bf16")
             return out + self.bias if self.bias is not None else out

@@ -89,7 +89,7 @@ def _case(family: str, dtype: torch.dtype, requests: list[Request], mesh: Device
            "trainer": [s.detach() for s in scored], "grads": grads}
     if family in DENSE:  # one process with its row-parallel sums split as TP-2's: either side of the pair
         one = split_row_parallel_sums(tiny_model(family).to(dtype), WORLD)
-        alone = Engine(one, None, EngineConfig(**ENGINE)).generate(requests)
+        alone = Engine(one, None, EngineConfig(**dict(ENGINE, pack_weights=True))).generate(requests)  # packed
         out["engine_tp1_split"] = [torch.tensor(d.logprobs) for d in alone]
         out["tokens_tp1_split"] = [list(d.token_ids) for d in alone]
         with torch.no_grad(), numerics.batch_invariant():
