@@ -23,6 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
 FLAGS = ["--training.ratio-to", "current", "--loss.kl-coef", "0.05", "--optimizer.lr", "1e-3", "--sft.steps", "2",
          "--sft.batch-size", "4"]
 STEPS = 2
+#: the step metrics compared with one process
+KEYS = ("loss", "grad_norm", "loss/pg_loss", "loss/kl")
 #: name -> (family, parallel config fields, trainer ranks, generators: (kind, ranks) each)
 CASES = {
     "tp2": ("llama3", {"tp": 2, "dp_shard": 1}, [0, 1], [("whole", [2]), ("tp", [2, 3])]),
@@ -57,9 +59,12 @@ def _records(config, step):
 
 
 def _steps(learner, config) -> list[dict]:
-    keep = ("loss", "grad_norm", "loss/pg_loss", "loss/kl")
-    return [{k: learner.step(s, _records(config, s), trainer_version=s - 1)[k] for k in keep}
-            for s in range(1, STEPS + 1)]
+    return [_step(learner, config, s) for s in range(1, STEPS + 1)]
+
+
+def _step(learner, config, step) -> dict:
+    out = learner.step(step, _records(config, step), trainer_version=step - 1)
+    return {k: out[k] for k in KEYS}
 
 
 def _sft(model, config, policy, runtime=None) -> list[float]:
@@ -115,7 +120,7 @@ def _case(rank, world, root, name, groups, sync_groups):
         model = runtime.parallelize(policy.model, ParallelConfig(**fields))
         learner = Learner(config, model, runtime, reference=reference)
         out["sft"] = _sft(model, config, policy, runtime)
-    syncs = []  # (generator ranks, plan, this rank's model / sender / receiver)
+    syncs = []  # (kind, generator ranks, this rank's generator model, its sender / receiver)
     for (kind, ranks), group in zip(generators, sync_groups):  # a group each: rank 2 receives from two plans
         mine, gen_model = None, None
         if runtime is not None:
@@ -135,8 +140,7 @@ def _case(rank, world, root, name, groups, sync_groups):
     losses = []
     for step in range(1, STEPS + 1):
         if learner is not None:
-            losses.append({k: learner.step(step, _records(config, step), trainer_version=step - 1)[k]
-                           for k in ("loss", "grad_norm", "loss/pg_loss", "loss/kl")})
+            losses.append(_step(learner, config, step))
             for _, _, _, sender in syncs:
                 sender.send(step)
                 sender.wait()
