@@ -1,5 +1,6 @@
 """Generator groups in ``lockstep rl`` (``workers.generator_parallel``) and the resharding weight sync in
-the loop: config checks (one process, cheap) and an end-to-end run with a TP-2 generator group."""
+the loop: config checks (one process, cheap) and end-to-end runs: a TP-2 trainer with a one-process
+generator and with a TP-2 generator group (batch-invariant), an EP-2 generator group."""
 
 from __future__ import annotations
 
@@ -38,30 +39,6 @@ def test_world_size_counts_each_generator_group(tmp_path):
 def test_generator_layout_errors_name_the_field(tmp_path, flags, message):
     with pytest.raises(ConfigError, match=message):
         debug_config(tmp_path, *flags)
-
-
-@pytest.mark.slow
-def test_rl_runs_with_a_tp2_generator_group(tmp_path):
-    """Trainer rank 0 + one generator of two processes (ranks 1-2, tensor-parallel): the loop runs, every
-    version reaches both generator ranks by the resharding sync, and the generator's log-probabilities
-    match the trainer's to fp32 rounding (TP sums the row-parallel products of two halves: not the one-
-    process order, so not bitwise; measured ~1e-6 on this model, bound 1e-3 far below a wrong weight's
-    O(1))."""
-    _cli(tmp_path, "--steps", "2", "--workers.generator-parallel.tp", "2", "--workers.weight-sync", "reshard",
-         "--output.no-save-weights", timeout=400)
-    run_dir = Path(tmp_path / "run")
-    records = step_records(run_dir)
-    assert [r["step"] for r in records] == [1, 2] and [r["rollout_version"] for r in records] == [0, 1]
-    assert all(r["generator/rank"] == 1 for r in records)  # the group's head delivers the rollouts
-    full = records[0]["weight_sync/bytes_all_ranks"]
-    assert records[0]["weight_sync/bytes"] == full > 0  # one trainer rank: it sends everything the group holds
-    # each generator rank holds half of the sharded weights: the head receives less than the whole group
-    assert 0 < records[0]["generator/weight_sync_bytes"] < records[0]["generator/weight_sync_group_bytes"] == full
-    assert max(r["logprob_diff/max"] for r in records) < 1e-3
-    assert records[1]["grad_norm"] > 0
-    manifest = json.loads((run_dir / "manifest.json").read_text())
-    assert manifest["workers"]["generator_parallel"]["tp"] == 2
-    assert manifest["workers"]["generator_ranks"] == [1]
 
 
 #: a torchrun worker: the rl-debug recipe with its llama3 replaced by the qwen3_moe debug model (8 experts, top-2)
@@ -124,14 +101,22 @@ def test_rl_tp2_trainer_with_one_process_generator(tmp_path):
 
 @pytest.mark.slow
 def test_rl_tp2_trainer_tp2_generator_batch_invariant_logprobs_equal(tmp_path):
-    """Trainer ranks 0-1 (TP 2) + a TP-2 generator group (ranks 2-3), batch-invariant: the generator's
-    log-probabilities equal the trainer's bitwise every step. The same TP degree on both sides fixes the
-    reduction order (each row-parallel layer's two partials summed in rank order, the head's logits whole
-    before the log-softmax; docs/numerics.md), and the synced weights are the trainer's bit for bit."""
+    """Trainer ranks 0-1 (TP 2) + a TP-2 generator group (ranks 2-3), batch-invariant: the loop runs, every
+    version reaches both generator ranks by the resharding sync, and the generator's log-probabilities equal
+    the trainer's bitwise every step. The same TP degree on both sides fixes the reduction order (each
+    row-parallel layer's two partials summed in rank order, the head's logits whole before the log-softmax;
+    docs/numerics.md), and the synced weights are the trainer's bit for bit."""
     _cli(tmp_path, "--steps", "2", "--parallel.tp", "2", "--workers.generator-parallel.tp", "2",
          "--numerics.batch-invariant", "--output.no-save-weights", timeout=400)
-    records = step_records(tmp_path / "run")
+    run_dir = tmp_path / "run"
+    records = step_records(run_dir)
     assert [r["step"] for r in records] == [1, 2] and [r["rollout_version"] for r in records] == [0, 1]
+    assert all(r["generator/rank"] == 2 for r in records)  # the group's head delivers the rollouts
     assert [r["logprob_diff/max"] for r in records] == [0.0, 0.0]
     assert records[1]["grad_norm"] > 0
-    assert 0 < records[0]["generator/weight_sync_bytes"] < records[0]["generator/weight_sync_group_bytes"]
+    full = records[0]["weight_sync/bytes_all_ranks"]
+    assert 0 < records[0]["weight_sync/bytes"] < full  # trainer rank 0 sends only its own shards
+    # each generator rank holds half of the sharded weights: the head receives less than the whole group
+    assert 0 < records[0]["generator/weight_sync_bytes"] < records[0]["generator/weight_sync_group_bytes"] == full
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["workers"]["generator_parallel"]["tp"] == 2 and manifest["workers"]["generator_ranks"] == [2]
