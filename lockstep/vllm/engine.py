@@ -130,10 +130,11 @@ class VllmEngine:
         #: None: the process-wide switch now); vLLM's attention kernel is not one of them (docs/numerics.md)
         mode = config.batch_invariant
         self.batch_invariant = numerics.is_batch_invariant() if mode is None else mode
-        #: the kernel the lockstep linears inside vLLM run on prepacked weights (None: unpacked)
-        self.linear_kernel = linear_kernel(config.linear_kernel, self.dtype) if config.pack_weights else None
-        self.llm.apply_model(functools.partial(_prepare_model, self.batch_invariant, separate_process,
-                                               self.linear_kernel, config.max_batch_size))
+        kernel = linear_kernel(config.linear_kernel, self.dtype) if config.pack_weights else None
+        packed = self.llm.apply_model(functools.partial(_prepare_model, self.batch_invariant, separate_process,
+                                                        kernel, config.max_batch_size))
+        #: the kernel the lockstep linears inside vLLM run on prepacked weights (None: unpacked, e.g. on GPUs)
+        self.linear_kernel = kernel if any(packed) else None
         self.load_weights()
 
     def close(self) -> None:
