@@ -1,12 +1,11 @@
 """Batch-1 decode roofline: the tokens/s memory bandwidth allows SmolLM2-135M on one thread of this CPU.
 
-At batch 1 a decode step reads every weight once (and the KV cache of every layer) and does ~2 flops
-per weight byte-pair: the step is bound by memory bandwidth, not arithmetic. This script measures
+At batch 1 a decode step reads every weight once (and the KV cache of every layer) and does 2 flops
+per weight: the step is bound by memory bandwidth, not arithmetic. This script measures (all times
+the calling thread's CPU time, best of ``--rounds``: the host may be loaded)
 
-All times are the calling thread's CPU time, best of ``--rounds`` (the host may be loaded).
-
-1. one thread's read bandwidth: ``tensor.sum()`` over a 512 MiB fp32 tensor (far beyond the caches),
-   and a copy (read + write) of it, best of ``--rounds``;
+1. one thread's read bandwidth over 512 MiB (far beyond the caches): a C loop reading every word
+   (``_stream_read.c``), torch's ``sum`` and ``copy_`` (read + write); the bound takes the fastest;
 2. what lockstep's decode linears reach: :mod:`lockstep.ops.decode_linear` at 1 row over SmolLM2-135M's
    30 layers of linears and its head, packed (bf16 and fp32), as weight bytes per second;
 3. the bytes one decode step reads (linear weights incl. the tied head, norms, the KV cache at the
