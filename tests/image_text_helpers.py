@@ -84,3 +84,26 @@ def assert_first_row_batch_invariant(directory: Path, tokens: torch.Tensor, pixe
         batch = model(tokens, pixel_values=pixels, grid_thw=grid)
         alone = model(tokens[:1], pixel_values=pixels[:first], grid_thw=grid[:1])
     assert torch.equal(batch[:1], alone)
+
+
+def train_vision_recipe(recipe: str, run_dir: Path, steps: int = 8):
+    """Train ``recipe`` (an image+text debug recipe) for ``steps`` on CPU; (config, its first batch, the fit
+    result, the names of the vision tower's tensors that did not move from their initial values)."""
+    from safetensors.torch import load_file
+
+    from lockstep.cli import resolve_config
+    from lockstep.models.common.transformer import build_model
+    from lockstep.train.trainer import Trainer
+
+    cfg, _ = resolve_config(["--recipe", recipe, "--steps", str(steps), "--run-dir", str(run_dir),
+                             "--validation.every", "0", "--output.no-progress", "--output.sample-tokens", "0",
+                             "--training.device", "cpu"])
+    trainer = Trainer(cfg)
+    batch = next(iter(trainer.data.train.iter_epoch()))
+    result = trainer.fit()
+    print(f"{recipe} losses {result.losses}")
+    trained = load_file(run_dir / "model.safetensors")
+    initial = build_model(cfg.model, seed=cfg.seed).state_dict()
+    tower = [k for k in initial if k.startswith("visual.")]
+    assert tower, f"{recipe}: the model has no visual.* tensors"
+    return cfg, batch, result, [k for k in tower if torch.equal(trained[k], initial[k])]

@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh
 
 from lockstep import numerics
-from lockstep.generate import Engine, EngineConfig, Request, SamplingParams
+from lockstep.generate import Engine, EngineConfig, Request
 from lockstep.generate.parallel import GroupEngine, share_requests, shard_for_generation
 from lockstep.models.common.transformer import build_meta_model
 from lockstep.models.registry import model_config
@@ -46,7 +46,8 @@ from lockstep.ops.tp_invariant import tree_sum
 from lockstep.parallel.parallelize import apply_dense_tp
 from lockstep.parallel.tp_sums import split_row_parallel_sums
 from lockstep.rl.scoring import score_logprobs
-from tests.generate.conftest import prompts, tiny_model
+from tests.generate.conftest import tiny_model
+from tests.generate.test_parallel_generate import NEW_TOKENS, _requests
 
 WORLD = 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -54,19 +55,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CASES = [f"{family}/{name}" for family in ("llama3", "qwen3", "qwen3_moe") for name in DTYPES] + ["deepseek_v3/fp32"]
 DENSE = ["llama3", "qwen3"]  # split_row_parallel_sums covers GQA + SwiGLU blocks
 ENGINE = dict(cache_memory_mb=2, block_size=4, max_batch_size=2, pack_weights=False, batch_invariant=True)
-LENGTHS = [3, 9, 12, 6]
-NEW_TOKENS = [5, 3, 4, 5]
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
 
 
-def _requests() -> list[Request]:
-    reqs = [Request(prompt_ids=p, request_id=str(i),
-                    sampling=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
-            for i, (p, n) in enumerate(zip(prompts(LENGTHS, seed=3), NEW_TOKENS))]
-    reqs.append(Request(prompt_ids=prompts([4], seed=4)[0], request_id="sampled",
-                        sampling=SamplingParams(temperature=0.8, max_new_tokens=3, seed=11, ignore_eos=True)))
-    return reqs
 
 
 def _case(family: str, dtype: torch.dtype, requests: list[Request], mesh: DeviceMesh) -> dict:
@@ -103,7 +95,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))  # a loaded CI host
     mesh = DeviceMesh("cpu", list(range(world)), mesh_dim_names=("tp",))
-    requests = share_requests(_requests() if rank == 0 else None)
+    requests = share_requests(_requests(sampled_temperature=0.8) if rank == 0 else None)
     results = {case: _case(case.split("/")[0], DTYPES[case.split("/")[1]], requests, mesh) for case in CASES}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()

@@ -64,12 +64,14 @@ LOGPROB_TOL = 1e-4  # fp32 sums in another order (module docstring)
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("parallel")]
 
 
-def _requests() -> list[Request]:
+def _requests(sampled_temperature: float = 1.0) -> list[Request]:
+    """Four greedy requests of mixed prompt lengths and one seeded sampled request."""
     reqs = [Request(prompt_ids=p, request_id=str(i),
                     sampling=SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True))
             for i, (p, n) in enumerate(zip(prompts(LENGTHS, seed=3), NEW_TOKENS))]
     reqs.append(Request(prompt_ids=prompts([4], seed=4)[0], request_id="sampled",
-                        sampling=SamplingParams(temperature=1.0, max_new_tokens=3, seed=11, ignore_eos=True)))
+                        sampling=SamplingParams(temperature=sampled_temperature, max_new_tokens=3, seed=11,
+                                                ignore_eos=True)))
     return reqs
 
 
