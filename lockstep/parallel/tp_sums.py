@@ -34,17 +34,24 @@ def split_row_parallel_sums(model: nn.Module, n: int) -> nn.Module:
     ``n = 1`` restores the plain sums. ValueError for blocks other than GQA + SwiGLU."""
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"split_row_parallel_sums: n must be an integer >= 1, got {n!r}")
+    refusal = split_refusal(model)
+    if refusal is not None:
+        raise ValueError(f"split_row_parallel_sums: {refusal}")
     numerics.prepare_model(model)
-    blocks = list(model.layers.values())
-    for name, block in zip(model.layers.keys(), blocks):
-        if type(block.attention) is not GroupedQueryAttention or type(block.feed_forward) is not SwiGLU:
-            raise ValueError(f"split_row_parallel_sums: layers.{name} has {type(block.attention).__name__} + "
-                             f"{type(block.feed_forward).__name__}; only dense GQA + SwiGLU blocks reproduce another "
-                             "tensor-parallel degree's sums (docs/numerics.md)")
-    for block in blocks:
+    for block in model.layers.values():
         for layer in (block.attention.wo, block.feed_forward.w2):
             if n == 1:
                 layer.__dict__.pop("k_split", None)
             else:
                 layer.k_split = n
     return model
+
+
+def split_refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s sums cannot be split as another TP degree's (its first block other than GQA +
+    SwiGLU), or None where :func:`split_row_parallel_sums` applies."""
+    for name, block in model.layers.items():
+        if type(block.attention) is not GroupedQueryAttention or type(block.feed_forward) is not SwiGLU:
+            return (f"layers.{name} has {type(block.attention).__name__} + {type(block.feed_forward).__name__}; only "
+                    "dense GQA + SwiGLU blocks reproduce another tensor-parallel degree's sums (docs/numerics.md)")
+    return None

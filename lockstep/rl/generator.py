@@ -20,6 +20,8 @@ running :class:`~lockstep.generate.parallel.GroupEngine` on a model sharded by
 tells the other ranks (over the group) each weights version it applies and each batch it generates,
 and they do the same (the engine's collectives need every rank; results are the head's). Each rank
 receives its own slices of every version from the trainer ranks (:mod:`lockstep.rl.weight_sync`).
+In batch-invariant mode a generator of a smaller TP degree than the trainer's sums its row-parallel
+layers as the trainer does (:mod:`lockstep.rl.tp_split`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from lockstep.rl.layout import RLLayout, StepPlan
 from lockstep.rl.learner import EpisodeRecord
 from lockstep.rl.policy import Policy
 from lockstep.rl.rollout import Rollout
+from lockstep.rl.tp_split import plan_tp_split
 from lockstep.rl.transport import ROLLOUT_TAG, ObjectSender, WeightReceiver
 
 __all__ = ["ROLLOUT_TAG", "rollout_batch_payload", "run_generator"]
@@ -64,6 +67,7 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
 
         par = config.workers.generator_parallel
         shard_for_generation(policy.model, tp=par.tp, ep=par.ep, group=group, field="workers.generator_parallel")
+    plan_tp_split(config, policy.model).apply(policy.model, "generator")  # the trainer's TP degree's sums
     plan = None
     if config.workers.resolved_weight_sync(layout.trainer_world) == "reshard":
         from lockstep.rl.weight_sync import generator_plan

@@ -37,6 +37,7 @@ from lockstep.rl.liveness import PeerLost
 from lockstep.rl.policy import Policy
 from lockstep.rl.rollout import Rollout
 from lockstep.rl.sft import evaluate, sft_warmup
+from lockstep.rl.tp_split import plan_tp_split
 from lockstep.run import NonFiniteGuard, RunLog, agree_on_run_dir, save_weights
 from lockstep.run.manifest import model_kernels, run_manifest
 
@@ -61,6 +62,11 @@ class RLTrainer:
         self.distributed = layout.world_size > 1
         self.run_dir = agree_on_run_dir(config, main=self.main, group=runtime.group, distributed=runtime.distributed)
         numerics.prepare_model(policy.model)  # before FSDP: it changes module classes
+        #: the row-parallel sums split to the generators' TP degree (batch-invariant mode; lockstep.rl.tp_split)
+        self.tp_split = plan_tp_split(config, policy.model)
+        self.tp_split.apply(policy.model, "trainer")  # before the shadow copy and the TP plan: both keep it
+        if self.main and self.tp_split.note:
+            print(f"lockstep rl: batch-invariant: {self.tp_split.note}", flush=True)
         # rank 0's unsharded copy: what generators receive and what evaluation generates with
         self.shadow = copy.deepcopy(policy.model) if runtime.distributed and self.main else policy.model
         reference = None
@@ -112,7 +118,7 @@ class RLTrainer:
             self.run_dir, cfg, runtime=self.runtime, checkpoint=self.checkpointing, resumed=self.resumed,
             model={"family": cfg.model.family, "flavor": cfg.model.flavor, "parameters": model.num_params(),
                    "source": self.policy.source},
-            kernels=model_kernels(model),
+            kernels=model_kernels(model), numerics_extra={"tp_split": self.tp_split.describe()},
             graph=graph_manifest(self.runtime),  # training.mode and, in graph mode, the passes
             workers={"trainer_ranks": list(range(self.layout.dp)),
                      "trainer_layout": {"dp_replicate": cfg.parallel.dp_replicate, "dp_shard": cfg.parallel.dp_shard,

@@ -1,6 +1,7 @@
 """Generator groups in ``lockstep rl`` (``workers.generator_parallel``) and the resharding weight sync in
-the loop: config checks (one process, cheap) and end-to-end runs: a TP-2 trainer with a one-process
-generator and with a TP-2 generator group (batch-invariant), an EP-2 generator group."""
+the loop: config checks (one process, cheap) and end-to-end runs, batch-invariant: a TP-2 trainer with a
+one-process generator and with a TP-2 generator group, a one-process trainer with a TP-2 group (unlike
+degrees: the smaller one's sums split, lockstep.rl.tp_split), an EP-2 generator group."""
 
 from __future__ import annotations
 
@@ -39,6 +40,35 @@ def test_world_size_counts_each_generator_group(tmp_path):
 def test_generator_layout_errors_name_the_field(tmp_path, flags, message):
     with pytest.raises(ConfigError, match=message):
         debug_config(tmp_path, *flags)
+
+
+@pytest.mark.parametrize("trainer_tp, generator_tp, family, bi, split, note", [
+    (1, 2, "llama3", True, (2, 1), "the trainer's row-parallel sums are split 2 ways"),
+    (2, 1, "llama3", True, (1, 2), "the generator's row-parallel sums are split 2 ways"),
+    (2, 8, "llama3", True, (4, 1), "the trainer's row-parallel sums are split 4 ways"),
+    (2, 2, "llama3", True, (1, 1), None),  # the same degree forms the same sums
+    (1, 2, "llama3", False, (1, 1), None),  # outside the mode: no slower kernel
+    (1, 3, "llama3", True, (1, 1), "not split.*3/1, not a power of two"),
+    (2, 3, "llama3", True, (1, 1), "not split.*3/2, not a power of two"),
+    (1, 2, "qwen3_moe", True, (1, 1), "not split.*off by rounding.*GroupedQueryAttention \\+ MoE"),
+])
+def test_tp_split_goes_to_the_smaller_degree_in_batch_invariant_mode(tmp_path, trainer_tp, generator_tp, family,
+                                                                     bi, split, note):
+    import dataclasses
+    import re
+
+    from lockstep.models.common.transformer import build_meta_model
+    from lockstep.models.registry import model_config
+    from lockstep.rl.tp_split import plan_tp_split
+
+    config = debug_config(tmp_path, *(["--numerics.batch-invariant"] if bi else []))
+    config = dataclasses.replace(
+        config, parallel=dataclasses.replace(config.parallel, tp=trainer_tp),
+        workers=dataclasses.replace(config.workers, generator_parallel=dataclasses.replace(
+            config.workers.generator_parallel, tp=generator_tp)))
+    plan = plan_tp_split(config, build_meta_model(model_config(family, "debug")))
+    assert (plan.trainer, plan.generator) == split
+    assert (plan.note is None) if note is None else re.search(note, plan.note), plan.note
 
 
 #: a torchrun worker: the rl-debug recipe with its llama3 replaced by the qwen3_moe debug model (8 experts, top-2)
@@ -80,23 +110,41 @@ def test_rl_ep2_generator_batch_invariant_logprobs_equal_the_trainers(tmp_path):
 @pytest.mark.slow
 def test_rl_tp2_trainer_with_one_process_generator(tmp_path):
     """Trainer ranks 0-1 (tensor-parallel, sequence parallel, loss through the gathered vocabulary) + a
-    one-process generator (rank 2), with a KL term (the frozen reference placed like the policy) and a
-    checkpoint: the loop runs, every version reaches the generator by the resharding sync (each trainer
-    rank sends its own shards), and the generator's log-probabilities match the trainer's to fp32 rounding
-    (TP splits the row-parallel sums: not the one-process order; a wrong or stale weight gives O(1))."""
-    _cli(tmp_path, "--steps", "2", "--parallel.tp", "2", "--loss.kl-coef", "0.05", "--checkpoint.every", "2",
-         timeout=400)
+    one-process generator (rank 2), batch-invariant, with a KL term (the frozen reference placed like the
+    policy) and a checkpoint: the loop runs, every version reaches the generator by the resharding sync (each
+    trainer rank sends its own shards), and the generator, its row-parallel sums split 2 ways as TP 2 sums
+    them (lockstep.rl.tp_split; without the split 9.5e-7 off), gives the trainer's log-probabilities bitwise."""
+    proc = _cli(tmp_path, "--steps", "2", "--parallel.tp", "2", "--loss.kl-coef", "0.05", "--checkpoint.every",
+                "2", "--numerics.batch-invariant", timeout=400)
     run_dir = Path(tmp_path / "run")
     records = step_records(run_dir)
     assert [r["step"] for r in records] == [1, 2] and [r["rollout_version"] for r in records] == [0, 1]
-    assert max(r["logprob_diff/max"] for r in records) < 1e-3
+    assert [r["logprob_diff/max"] for r in records] == [0.0, 0.0]
+    assert "the generator's row-parallel sums are split 2 ways" in proc.stdout
     assert records[1]["grad_norm"] > 0 and records[1]["loss/kl"] > 0
     full = records[0]["weight_sync/bytes_all_ranks"]
     # each trainer rank holds half of the sharded weights and sends only what it holds
     assert 0 < records[0]["weight_sync/bytes"] < full == records[0]["generator/weight_sync_bytes"]
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["workers"]["trainer_layout"]["tp"] == 2 and manifest["workers"]["generator_ranks"] == [2]
+    assert manifest["numerics"]["tp_split"] == {**manifest["numerics"]["tp_split"], "trainer": 1, "generator": 2}
     assert (run_dir / "checkpoints" / "step-00000002").is_dir() and (run_dir / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_rl_one_process_trainer_tp2_generator_batch_invariant_logprobs_equal(tmp_path):
+    """Trainer rank 0 (one process) + a TP-2 generator group (ranks 1-2), batch-invariant: the trainer's
+    row-parallel sums split 2 ways (lockstep.rl.tp_split) form the TP-2 group's sums, so the generator's
+    log-probabilities equal the trainer's bitwise every step (9.5e-7 off without the split)."""
+    proc = _cli(tmp_path, "--steps", "2", "--workers.generator-parallel.tp", "2", "--numerics.batch-invariant",
+                "--output.no-save-weights", timeout=400)
+    records = step_records(tmp_path / "run")
+    assert [r["step"] for r in records] == [1, 2] and [r["rollout_version"] for r in records] == [0, 1]
+    assert [r["logprob_diff/max"] for r in records] == [0.0, 0.0]
+    assert records[1]["grad_norm"] > 0  # the second version differs from the first: its sync is checked too
+    assert "the trainer's row-parallel sums are split 2 ways" in proc.stdout
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["numerics"]["tp_split"] == {**manifest["numerics"]["tp_split"], "trainer": 2, "generator": 1}
 
 
 @pytest.mark.slow
