@@ -102,18 +102,24 @@ def _load(model, full_state):
             tensor.copy_(full)
 
 
-def _mismatches(model, full_state):
+def _mismatches(model, full_state, boxes=None) -> list[str]:
+    """Names whose local tensor is not the part of the full tensor this rank should hold: a DTensor's as
+    ``distribute_tensor`` places it, or, given ``boxes`` (name -> this rank's box from
+    :func:`lockstep.rl.reshard.describe`; None: it holds nothing) that slice (the FSDP-over-TP trainer's
+    strided shards, as the resharding plan reads them)."""
     from torch.distributed.tensor import distribute_tensor
 
-    from lockstep.rl.reshard import unique_state
+    from lockstep.rl.reshard import local_tensor, unique_state
 
     bad = []
     for name, tensor in unique_state(model):
         want = full_state[name]
-        if hasattr(tensor, "device_mesh"):
+        if boxes is not None:
+            box = boxes[name]
+            want = want[tuple(slice(a, b) for a, b in box)] if box is not None else None
+        elif hasattr(tensor, "device_mesh"):
             want = distribute_tensor(want, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
-            tensor = tensor._local_tensor
-        if not torch.equal(tensor, want):
+        if want is None or not torch.equal(local_tensor(tensor), want):
             bad.append(name)
     return bad
 

@@ -154,26 +154,13 @@ def _case(rank, world, root, name, groups, sync_groups):
                 out[f"{kind}{ranks}:v{step}"] = _mismatches(gen_model, full)
         if runtime is not None and runtime.dims.tp > 1 and runtime.dims.dp > 1:  # FSDP over TP: strided boxes
             layouts = describe(model, trainer, mesh=runtime.mesh)
-            out[f"boxes:v{step}"] = _box_mismatches(model, layouts, full, rank)
+            out[f"boxes:v{step}"] = _mismatches(model, full, {n: t.box(rank) for n, t in layouts.items()})
     for _, _, _, end in syncs:
         if isinstance(end, ReshardSender):
             end.close()
     if rank == 0:
         out["losses"], out["final"] = losses, full
     return out
-
-
-def _box_mismatches(model, layouts, full, rank) -> list[str]:
-    """Names whose local shard is not the slice of the full tensor the description says this rank holds."""
-    from lockstep.rl.reshard import local_tensor, unique_state
-
-    bad = []
-    for name, tensor in unique_state(model):
-        box = layouts[name].box(rank)
-        want = full[name][tuple(slice(a, b) for a, b in box)] if box is not None else None
-        if want is None or not torch.equal(local_tensor(tensor), want):
-            bad.append(name)
-    return bad
 
 
 def _worker(rank, world, init_file, out_dir):
