@@ -162,6 +162,11 @@ TESTED_LAYOUTS += [("tp=2 qwen3_vl (DeepStack, mRoPE, images)", "debug-qwen3-vl"
 PARAMS_CHECKED |= {"tp=2 qwen3_vl (DeepStack, mRoPE, images)", "tp=2 x ep=2 qwen3_vl moe (expert TP, images)",
                    "dp_shard=2 qwen3_5 (vision tower, images)", "tp=2 qwen3_5 (Gated DeltaNet, vision tower, images)",
                    "tp=2 kimi_k25 (MLA, expert TP, images)"}
+# FSDP2 for Kimi K2.5 with images (MoonViT in the root unit) and HSDP with images
+TESTED_LAYOUTS += [("dp_shard=2 kimi_k25 (MoonViT, images)", "debug-kimi-k25-vl", 2, {"dp_shard": 2}, []),
+                   ("dp_replicate=2 x dp_shard=2 qwen3_vl (HSDP, images)", "debug-qwen3-vl", 4,
+                    {"dp_replicate": 2, "dp_shard": 2}, [])]
+PARAMS_CHECKED |= {"dp_shard=2 kimi_k25 (MoonViT, images)", "dp_replicate=2 x dp_shard=2 qwen3_vl (HSDP, images)"}
 
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "ep", "pp", "cp")
 
