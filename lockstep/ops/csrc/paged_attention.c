@@ -88,116 +88,143 @@ static inline __m512 exp_nonpositive(__m512 x) {
 }
 
 #define MAX_GROUPS 16
-#define MAX_TASK_HEADS 32
 #define MAX_CHUNKS 16 /* head dims up to 256 */
 
-/* One task: sequence b, kv heads kv0 .. kv0 + kv_count - 1 (adjacent in a pool row, so a task with
- * every kv head reads each context row as one contiguous run). groups and chunks are compile-time
- * constants in the common cases (attend_avx512 dispatches), so the loops over them unroll. */
+/* v[j] -> the sum of v[j]'s 16 lanes, as lane j of the result (a transposed reduction: 15 adds per
+ * lane level instead of one horizontal reduction per vector). Lanes are summed pairwise: i with i + 2
+ * inside each 128-bit quarter, then neighbours, then the quarters 0 + 1 and 2 + 3, then those two. */
+static inline __m512 sum_lanes16(const __m512 v[LANES]) {
+    __m512 two[8], four[4], eight[2];
+    for (int i = 0; i < 8; i++)
+        two[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        four[i] = _mm512_add_ps(_mm512_shuffle_ps(two[2 * i], two[2 * i + 1], 0x44),
+                                _mm512_shuffle_ps(two[2 * i], two[2 * i + 1], 0xee));
+    for (int i = 0; i < 2; i++)
+        eight[i] = _mm512_add_ps(_mm512_shuffle_f32x4(four[2 * i], four[2 * i + 1], 0x88),
+                                 _mm512_shuffle_f32x4(four[2 * i], four[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(eight[0], eight[1], 0x88), _mm512_shuffle_f32x4(eight[0], eight[1], 0xdd));
+}
+
+/* One task: sequence b, kv heads kv0 .. kv0 + kv_count - 1, one kv head at a time (its query heads'
+ * q and accumulators then fit in registers). groups and chunks are compile-time constants in the
+ * common cases (attend_avx512 dispatches), so the loops over them unroll. */
 static inline __attribute__((always_inline)) void attend_task(
         const void *q, const void *k_pool, const void *v_pool, const int64_t *table, int64_t lo, int64_t n,
         void *out, int64_t b, int64_t kv0, int64_t kv_count, int64_t heads, int64_t kv_heads, int64_t d,
         int64_t block_size, float scale, int is_bf16, const float *sinks, const int64_t groups,
-        const int64_t chunks) {
-    const int64_t rows = kv_count * groups, head0 = b * heads + kv0 * groups, row_stride = kv_heads * d;
+        const int64_t chunks, float *scores) {
+    const int64_t row_stride = kv_heads * d;
     const int64_t m = n - lo; /* keys lo .. n - 1, scores stored from 0 */
     const int64_t stride = (m + LANES - 1) / LANES * LANES;
-    float *scores = malloc(sizeof(float) * (size_t)(rows * stride));
-    __m512 qv[MAX_TASK_HEADS][MAX_CHUNKS], acc[MAX_TASK_HEADS][MAX_CHUNKS];
-    for (int64_t h = 0; h < rows; h++)
-        for (int64_t c = 0; c < chunks; c++) {
-            qv[h][c] = _mm512_mul_ps(load16(q, (head0 + h) * d + c * LANES, is_bf16), _mm512_set1_ps(scale));
-            acc[h][c] = _mm512_setzero_ps();
-        }
-    for (int64_t s = lo, row = table[lo / block_size] * block_size + lo % block_size; s < n; s++, row++) {
-        if (s % block_size == 0)
-            row = table[s / block_size] * block_size;
-        for (int64_t kv = 0; kv < kv_count; kv++) {
-            const int64_t at = row * row_stride + (kv0 + kv) * d;
-            __m512 lane[MAX_GROUPS];
-            for (int64_t g = 0; g < groups; g++)
-                lane[g] = _mm512_setzero_ps();
+    for (int64_t kv = kv0; kv < kv0 + kv_count; kv++) {
+        const int64_t head0 = b * heads + kv * groups;
+        __m512 qv[MAX_GROUPS][MAX_CHUNKS], acc[MAX_GROUPS][MAX_CHUNKS], lane[MAX_GROUPS][LANES];
+        for (int64_t g = 0; g < groups; g++)
             for (int64_t c = 0; c < chunks; c++) {
-                __m512 kc = load16(k_pool, at + c * LANES, is_bf16);
+                qv[g][c] = _mm512_mul_ps(load16(q, (head0 + g) * d + c * LANES, is_bf16), _mm512_set1_ps(scale));
+                acc[g][c] = _mm512_setzero_ps();
+            }
+        /* scores, 16 positions at a time; positions past n - 1 score 0 and are masked below */
+        int64_t row = table[lo / block_size] * block_size + lo % block_size;
+        for (int64_t s0 = lo; s0 < n; s0 += LANES) {
+            for (int64_t j = 0; j < LANES; j++) {
+                const int64_t s = s0 + j;
                 for (int64_t g = 0; g < groups; g++)
-                    lane[g] = _mm512_fmadd_ps(qv[kv * groups + g][c], kc, lane[g]);
+                    lane[g][j] = _mm512_setzero_ps();
+                if (s >= n)
+                    continue;
+                if (s > lo && s % block_size == 0)
+                    row = table[s / block_size] * block_size;
+                const int64_t at = row++ * row_stride + kv * d;
+                for (int64_t c = 0; c < chunks; c++) {
+                    __m512 kc = load16(k_pool, at + c * LANES, is_bf16);
+                    for (int64_t g = 0; g < groups; g++)
+                        lane[g][j] = _mm512_fmadd_ps(qv[g][c], kc, lane[g][j]);
+                }
             }
             for (int64_t g = 0; g < groups; g++)
-                scores[(kv * groups + g) * stride + s - lo] = _mm512_reduce_add_ps(lane[g]);
+                _mm512_storeu_ps(scores + g * stride + s0 - lo, sum_lanes16(lane[g]));
         }
-    }
-    float total[MAX_TASK_HEADS];
-    for (int64_t h = 0; h < rows; h++) {
-        float *row_scores = scores + h * stride, top = row_scores[0];
-        for (int64_t s = 1; s < m; s++)
-            top = row_scores[s] > top ? row_scores[s] : top;
-        const float sink = sinks ? sinks[kv0 * groups + h] : 0.0f;
-        if (sinks && sink > top)
-            top = sink;
-        __m512 sum = _mm512_setzero_ps(), topv = _mm512_set1_ps(top);
-        for (int64_t s0 = 0; s0 < m; s0 += LANES) {
-            __mmask16 live = m - s0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (m - s0)) - 1);
-            __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row_scores + s0), topv));
-            e = _mm512_maskz_mov_ps(live, e);
-            _mm512_storeu_ps(row_scores + s0, e);
-            sum = _mm512_add_ps(sum, e);
+        float total[MAX_GROUPS];
+        for (int64_t g = 0; g < groups; g++) {
+            float *row_scores = scores + g * stride;
+            __m512 topv = _mm512_set1_ps(-INFINITY);
+            for (int64_t s0 = 0; s0 < m; s0 += LANES) {
+                __mmask16 live = m - s0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (m - s0)) - 1);
+                topv = _mm512_mask_max_ps(topv, live, topv, _mm512_loadu_ps(row_scores + s0));
+            }
+            float top = _mm512_reduce_max_ps(topv);
+            const float sink = sinks ? sinks[kv * groups + g] : 0.0f;
+            if (sinks && sink > top)
+                top = sink;
+            __m512 sum = _mm512_setzero_ps();
+            topv = _mm512_set1_ps(top);
+            for (int64_t s0 = 0; s0 < m; s0 += LANES) {
+                __mmask16 live = m - s0 >= LANES ? (__mmask16)0xffff : (__mmask16)((1u << (m - s0)) - 1);
+                __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(row_scores + s0), topv));
+                e = _mm512_maskz_mov_ps(live, e);
+                _mm512_storeu_ps(row_scores + s0, e);
+                sum = _mm512_add_ps(sum, e);
+            }
+            total[g] = _mm512_reduce_add_ps(sum) + (sinks ? expf(sink - top) : 0.0f);
         }
-        total[h] = _mm512_reduce_add_ps(sum) + (sinks ? expf(sink - top) : 0.0f);
-    }
-    for (int64_t s = lo, row = table[lo / block_size] * block_size + lo % block_size; s < n; s++, row++) {
-        if (s % block_size == 0)
-            row = table[s / block_size] * block_size;
-        for (int64_t kv = 0; kv < kv_count; kv++) {
-            const int64_t at = row * row_stride + (kv0 + kv) * d;
+        for (int64_t s = lo, row = table[lo / block_size] * block_size + lo % block_size; s < n; s++, row++) {
+            if (s % block_size == 0)
+                row = table[s / block_size] * block_size;
+            const int64_t at = row * row_stride + kv * d;
             for (int64_t c = 0; c < chunks; c++) {
                 __m512 vc = load16(v_pool, at + c * LANES, is_bf16);
-                for (int64_t g = 0; g < groups; g++) {
-                    const int64_t h = kv * groups + g;
-                    acc[h][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[h * stride + s - lo]), vc, acc[h][c]);
+                for (int64_t g = 0; g < groups; g++)
+                    acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * stride + s - lo]), vc, acc[g][c]);
+            }
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            __m512 inv = _mm512_set1_ps(1.0f / total[g]);
+            for (int64_t c = 0; c < chunks; c++) {
+                __m512 o = _mm512_mul_ps(acc[g][c], inv);
+                const int64_t at = (head0 + g) * d + c * LANES;
+                if (is_bf16) {
+                    float lanes[LANES];
+                    _mm512_storeu_ps(lanes, o);
+                    for (int l = 0; l < LANES; l++)
+                        ((uint16_t *)out)[at + l] = round_bf16(lanes[l]);
+                } else {
+                    _mm512_storeu_ps((float *)out + at, o);
                 }
             }
         }
     }
-    for (int64_t h = 0; h < rows; h++) {
-        __m512 inv = _mm512_set1_ps(1.0f / total[h]);
-        for (int64_t c = 0; c < chunks; c++) {
-            __m512 o = _mm512_mul_ps(acc[h][c], inv);
-            const int64_t at = (head0 + h) * d + c * LANES;
-            if (is_bf16) {
-                float lanes[LANES];
-                _mm512_storeu_ps(lanes, o);
-                for (int l = 0; l < LANES; l++)
-                    ((uint16_t *)out)[at + l] = round_bf16(lanes[l]);
-            } else {
-                _mm512_storeu_ps((float *)out + at, o);
-            }
-        }
-    }
-    free(scores);
 }
 
-static inline __attribute__((always_inline)) void attend_fixed(
-        const void *q, const void *k_pool, const void *v_pool, const int64_t *tables, const int64_t *positions,
-        void *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size,
-        int64_t table_width, float scale, int is_bf16, const float *sinks, int64_t window, const int64_t groups,
-        const int64_t chunks) {
-    /* whole rows per task when there are sequences enough to keep every thread busy */
-    int64_t kv_per_task = batch >= 2 * omp_get_max_threads() ? kv_heads : 1;
-    while (kv_per_task > 1 && (kv_heads % kv_per_task || kv_per_task * groups > MAX_TASK_HEADS))
-        kv_per_task--;
-    const int64_t per_seq = kv_heads / kv_per_task;
-    #pragma omp parallel for schedule(static)
-    for (int64_t task = 0; task < batch * per_seq; task++) {
-        const int64_t b = task / per_seq, kv0 = task % per_seq * kv_per_task;
-        int64_t n = positions[b] + 1;
-        if (n > block_size * table_width)
-            n = block_size * table_width;
-        if (n < 1)
-            n = 1;
-        const int64_t lo = window > 0 && n > window ? n - window : 0;
-        attend_task(q, k_pool, v_pool, tables + b * table_width, lo, n, out, b, kv0, kv_per_task, heads, kv_heads,
-                    d, block_size, scale, is_bf16, sinks, groups, chunks);
+typedef void (*task_fn)(const void *, const void *, const void *, const int64_t *, int64_t, int64_t, void *, int64_t,
+                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, const float *, int64_t,
+                        int64_t, float *);
+
+/* attend_task with groups, chunks and the dtype as literals: a function each, called through a pointer
+ * from the OpenMP loop (GCC outlines a parallel region before inlining, so constants passed into an
+ * inlined function holding the region would not reach the loops inside it). */
+#define TASK(G, C, BF)                                                                                     \
+    static void task_##G##_##C##_##BF(const void *q, const void *k_pool, const void *v_pool, const int64_t *table, \
+                                      int64_t lo, int64_t n, void *out, int64_t b, int64_t kv0, int64_t kv_count,  \
+                                      int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, float scale, \
+                                      int is_bf16, const float *sinks, int64_t groups, int64_t chunks,             \
+                                      float *scores) {                                                             \
+        (void)is_bf16, (void)groups, (void)chunks;                                                                 \
+        attend_task(q, k_pool, v_pool, table, lo, n, out, b, kv0, kv_count, heads, kv_heads, d, block_size,        \
+                    scale, BF, sinks, G, C, scores);                                                               \
     }
+#define FIXED_SHAPES(X) X(1, 4) X(2, 4) X(3, 4) X(4, 4) X(1, 8) X(2, 8) X(4, 8) X(8, 8)
+#define TASKS(G, C) TASK(G, C, 0) TASK(G, C, 1)
+FIXED_SHAPES(TASKS)
+#undef TASKS
+
+static void task_any(const void *q, const void *k_pool, const void *v_pool, const int64_t *table, int64_t lo,
+                     int64_t n, void *out, int64_t b, int64_t kv0, int64_t kv_count, int64_t heads, int64_t kv_heads,
+                     int64_t d, int64_t block_size, float scale, int is_bf16, const float *sinks, int64_t groups,
+                     int64_t chunks, float *scores) {
+    attend_task(q, k_pool, v_pool, table, lo, n, out, b, kv0, kv_count, heads, kv_heads, d, block_size, scale,
+                is_bf16, sinks, groups, chunks, scores);
 }
 
 static void attend_avx512(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
@@ -205,20 +232,32 @@ static void attend_avx512(const void *q, const void *k_pool, const void *v_pool,
                           int64_t d, int64_t block_size, int64_t table_width, float scale, int is_bf16,
                           const float *sinks, int64_t window) {
     const int64_t groups = heads / kv_heads, chunks = d / LANES;
-#define FIXED(G, C)                                                                                         \
-    if (groups == G && chunks == C) {                                                                       \
-        if (is_bf16)                                                                                        \
-            attend_fixed(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size,  \
-                         table_width, scale, 1, sinks, window, G, C);                                       \
-        else                                                                                                \
-            attend_fixed(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size,  \
-                         table_width, scale, 0, sinks, window, G, C);                                       \
-        return;                                                                                             \
+    task_fn task_body = task_any;
+#define PICK(G, C)                                                                                          \
+    if (groups == G && chunks == C)                                                                         \
+        task_body = is_bf16 ? task_##G##_##C##_1 : task_##G##_##C##_0;
+    FIXED_SHAPES(PICK)
+#undef PICK
+    /* whole rows per task when there are sequences enough to keep every thread busy */
+    const int64_t kv_per_task = batch >= 2 * omp_get_max_threads() ? kv_heads : 1, per_seq = kv_heads / kv_per_task;
+    const int64_t longest = (block_size * table_width + LANES - 1) / LANES * LANES;
+    #pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(groups * longest)); /* one per thread */
+        #pragma omp for schedule(static)
+        for (int64_t task = 0; task < batch * per_seq; task++) {
+            const int64_t b = task / per_seq, kv0 = task % per_seq * kv_per_task;
+            int64_t n = positions[b] + 1;
+            if (n > block_size * table_width)
+                n = block_size * table_width;
+            if (n < 1)
+                n = 1;
+            const int64_t lo = window > 0 && n > window ? n - window : 0;
+            task_body(q, k_pool, v_pool, tables + b * table_width, lo, n, out, b, kv0, kv_per_task, heads, kv_heads,
+                      d, block_size, scale, is_bf16, sinks, groups, chunks, scores);
+        }
+        free(scores);
     }
-    FIXED(1, 4) FIXED(2, 4) FIXED(3, 4) FIXED(4, 4) FIXED(1, 8) FIXED(2, 8) FIXED(4, 8) FIXED(8, 8)
-#undef FIXED
-    attend_fixed(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size, table_width,
-                 scale, is_bf16, sinks, window, groups, chunks);
 }
 #endif
 
