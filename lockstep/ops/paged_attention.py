@@ -78,8 +78,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     b, heads, _, d = q.shape
     _, block_size, kv_heads, _ = k_pool.shape
     q = q.contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    pos = positions.reshape(b).to(torch.int64).contiguous()
+    tables, pos = _int64(block_tables), _int64(positions)  # [B, 1] and [B] are one layout when contiguous
     out = torch.empty_like(q)
     sink_logits = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     _library().paged_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(),
@@ -87,6 +86,11 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                                       tables.shape[1], scale, int(q.dtype == torch.bfloat16),
                                       None if sink_logits is None else sink_logits.data_ptr(), int(window))
     return out
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    # the engine's tables and positions already are: skip the conversions' dispatches (30 layers a step)
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
 _LIB.impl("paged_decode_attention", paged_decode_attention, "CPU")

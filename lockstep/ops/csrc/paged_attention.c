@@ -12,10 +12,15 @@
  * Here each (sequence, kv head) task reads its keys and values once, in place, for all the query
  * heads that share them (grouped-query attention), and writes its heads' outputs.
  *
- * Arithmetic: fp32 throughout (bf16 inputs widened exactly). Scores: q . k * scale, the dot product in
- * 16 lanes by d mod 16 then the lanes summed in order; softmax with the row maximum subtracted;
- * out = sum_s p_s v_s / sum_s p_s, accumulated in position order; bf16 outputs rounded to nearest
- * even. D must be a multiple of 16 (the caller checks). Tasks run on torch's OpenMP threads.
+ * Arithmetic: fp32 throughout (bf16 inputs widened exactly). Scores: (q * scale) . k, the dot product
+ * in 16 lanes by d mod 16, then the 16 lanes summed: in lane order (portable build), or pairwise for
+ * 16 positions at once (AVX-512: sum_lanes16, a transposed reduction with about a third of the
+ * instructions of a horizontal sum per key; the order differs, not the precision). Softmax with the
+ * row maximum subtracted (AVX-512: a polynomial exp within 2 ulp of expf). out = sum_s p_s v_s
+ * accumulated in position order, over sum_s p_s (portable: p_s divided first); bf16 outputs rounded
+ * to nearest even. Close to SDPA over the gathered context, not its bits, and no caller asks for
+ * bits (the batch-invariant backend never takes this kernel). D must be a multiple of 16 (the caller
+ * checks). Tasks run on torch's OpenMP threads.
  */
 #include <math.h>
 #include <stdint.h>
@@ -90,9 +95,9 @@ static inline __m512 exp_nonpositive(__m512 x) {
 #define MAX_GROUPS 16
 #define MAX_CHUNKS 16 /* head dims up to 256 */
 
-/* v[j] -> the sum of v[j]'s 16 lanes, as lane j of the result (a transposed reduction: 15 adds per
- * lane level instead of one horizontal reduction per vector). Lanes are summed pairwise: i with i + 2
- * inside each 128-bit quarter, then neighbours, then the quarters 0 + 1 and 2 + 3, then those two. */
+/* v[j] -> the sum of v[j]'s 16 lanes, as lane j of the result (a transposed reduction: 45 instructions
+ * for the 16 sums, where a horizontal sum takes about 8 per vector). Each 128-bit quarter sums as
+ * (l0 + l2) + (l1 + l3), then the quarters as (q0 + q1) + (q2 + q3). */
 static inline __m512 sum_lanes16(const __m512 v[LANES]) {
     __m512 two[8], four[4], eight[2];
     for (int i = 0; i < 8; i++)
@@ -103,12 +108,13 @@ static inline __m512 sum_lanes16(const __m512 v[LANES]) {
     for (int i = 0; i < 2; i++)
         eight[i] = _mm512_add_ps(_mm512_shuffle_f32x4(four[2 * i], four[2 * i + 1], 0x88),
                                  _mm512_shuffle_f32x4(four[2 * i], four[2 * i + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(eight[0], eight[1], 0x88), _mm512_shuffle_f32x4(eight[0], eight[1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(eight[0], eight[1], 0x88),
+                         _mm512_shuffle_f32x4(eight[0], eight[1], 0xdd));
 }
 
 /* One task: sequence b, kv heads kv0 .. kv0 + kv_count - 1, one kv head at a time (its query heads'
- * q and accumulators then fit in registers). groups and chunks are compile-time constants in the
- * common cases (attend_avx512 dispatches), so the loops over them unroll. */
+ * q and accumulators then fit in registers). groups, chunks and is_bf16 are literals in the common
+ * cases (the task_G_C_BF functions below), so the loops over them unroll. */
 static inline __attribute__((always_inline)) void attend_task(
         const void *q, const void *k_pool, const void *v_pool, const int64_t *table, int64_t lo, int64_t n,
         void *out, int64_t b, int64_t kv0, int64_t kv_count, int64_t heads, int64_t kv_heads, int64_t d,

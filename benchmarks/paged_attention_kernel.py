@@ -1,0 +1,127 @@
+"""The paged decode attention op alone at SmolLM2-135M's shapes, against a previous build and SDPA.
+
+Usage:
+    .venv/bin/python benchmarks/paged_attention_kernel.py [--baseline REV] [--rounds 5] [--threads 0]
+    LOCKSTEP_CPU_ISA=portable .venv/bin/python benchmarks/paged_attention_kernel.py   # the C fallback
+
+Batch 16, 9 query / 3 kv heads of 64, 16-token blocks, contexts 32/64/128/256, fp32 and bf16; 30
+layers' worth of distinct pools per sweep (as a decode step reads them). Per call, process CPU time
+(all OpenMP threads; the host is shared, so CPU time is steadier than wall time) and wall time, best
+of ``--rounds`` interleaved rounds, and the K/V bytes a call reads over that CPU time. Sides:
+
+- ``op``: ``torch.ops.lockstep.paged_decode_attention`` (the Python wrapper and the kernel);
+- ``kernel``: the same library called straight through ctypes with tables/positions prepared once
+  (so ``op`` minus ``kernel`` is the per-call wrapper cost);
+- ``base``: the kernel built from ``lockstep/ops/csrc/paged_attention.c`` at git revision
+  ``--baseline`` (default ``HEAD``), called the same way as ``kernel``;
+- ``sdpa``: one ``F.scaled_dot_product_attention`` over already gathered contiguous K/V
+  (``enable_gqa``), a reference point that pays neither the gather nor the table walk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from lockstep.ops import isa, paged_attention
+from lockstep.ops.cbuild import build_library
+
+BATCH, HEADS, KV_HEADS, D, BLOCK, LAYERS = 16, 9, 3, 64, 16, 30
+CONTEXTS = (32, 64, 128, 256)
+
+
+def baseline_library(rev: str) -> ctypes.CDLL | None:
+    source = subprocess.run(["git", "show", f"{rev}:lockstep/ops/csrc/paged_attention.c"], capture_output=True,
+                            text=True, check=True, cwd=Path(__file__).parent).stdout
+    path = Path(tempfile.mkdtemp()) / "paged_attention_base.c"
+    path.write_text(source)
+    level = "avx512" if isa.at_least("avx512") else "portable"
+    lib = build_library(f"paged_attention_base_{level}", [path], paged_attention._FLAGS + isa.march_flags(level),
+                        "the baseline paged attention kernel")
+    if lib is not None:
+        lib.paged_decode_attention.argtypes = paged_attention._library().paged_decode_attention.argtypes
+    return lib
+
+
+def case(context: int, dtype: torch.dtype, gen: torch.Generator, layers_count: int) -> list[dict]:
+    width = (context + BLOCK - 1) // BLOCK
+    blocks = BATCH * width + 1
+    layers = []
+    for _ in range(layers_count):
+        k_pool = torch.randn(blocks, BLOCK, KV_HEADS, D, generator=gen).to(dtype)
+        v_pool = torch.randn(blocks, BLOCK, KV_HEADS, D, generator=gen).to(dtype)
+        tables = (torch.randperm(blocks - 1, generator=gen)[: BATCH * width].view(BATCH, width) + 1).contiguous()
+        k = k_pool[tables.reshape(-1)].view(BATCH, width * BLOCK, KV_HEADS, D)[:, :context].transpose(1, 2)
+        v = v_pool[tables.reshape(-1)].view(BATCH, width * BLOCK, KV_HEADS, D)[:, :context].transpose(1, 2)
+        layers.append(dict(k_pool=k_pool, v_pool=v_pool, tables=tables, k=k.contiguous(), v=v.contiguous()))
+    return layers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--baseline", default="HEAD", help="git revision of the kernel source to compare with")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=4, help="sweeps of 30 layers per timing")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="distinct pools a sweep reads (1: all in cache)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lib, base = paged_attention._library(), baseline_library(args.baseline)
+    gen = torch.Generator().manual_seed(0)
+    scale = D**-0.5
+    print(f"ISA level {isa.level()}, {torch.get_num_threads()} threads, baseline {args.baseline}")
+    print(f"batch {BATCH}, {HEADS}/{KV_HEADS} heads of {D}, blocks of {BLOCK}; us a call (process CPU / wall), "
+          f"best of {args.rounds}; GB/s = K/V bytes read / CPU time")
+    for dtype in (torch.float32, torch.bfloat16):
+        for context in CONTEXTS:
+            layers = case(context, dtype, gen, args.layers)
+            q = torch.randn(BATCH, HEADS, 1, D, generator=gen).to(dtype)
+            positions = torch.full((BATCH, 1), context - 1, dtype=torch.int64)
+            out = torch.empty_like(q)
+            bf16 = int(dtype == torch.bfloat16)
+
+            def raw(library, layer):
+                library.paged_decode_attention(q.data_ptr(), layer["k_pool"].data_ptr(), layer["v_pool"].data_ptr(),
+                                               layer["tables"].data_ptr(), positions.data_ptr(), out.data_ptr(),
+                                               BATCH, HEADS, KV_HEADS, D, BLOCK, layer["tables"].shape[1], scale,
+                                               bf16, None, 0)
+
+            sides = {
+                "op": lambda layer: torch.ops.lockstep.paged_decode_attention(
+                    q, layer["k_pool"], layer["v_pool"], layer["tables"], positions, scale),
+                "kernel": lambda layer: raw(lib, layer),
+                "sdpa": lambda layer: F.scaled_dot_product_attention(q, layer["k"], layer["v"], scale=scale,
+                                                                     enable_gqa=True),
+            }
+            if base is not None:
+                sides["base"] = lambda layer: raw(base, layer)
+            results = {name: ([], []) for name in sides}
+            for name, fn in sides.items():  # warm-up
+                for layer in layers:
+                    fn(layer)
+            for _ in range(args.rounds):
+                for name, fn in sides.items():
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    for _ in range(args.reps * LAYERS // len(layers)):
+                        for layer in layers:
+                            fn(layer)
+                    calls = args.reps * LAYERS // len(layers) * len(layers)
+                    results[name][0].append((time.process_time() - cpu) / calls)
+                    results[name][1].append((time.perf_counter() - wall) / calls)
+            kv_bytes = 2 * BATCH * context * KV_HEADS * D * q.element_size()
+            line = "  ".join(f"{name} {min(c) * 1e6:6.1f}/{min(w) * 1e6:6.1f} ({kv_bytes / min(c) / 1e9:4.1f} GB/s)"
+                             for name, (c, w) in results.items())
+            ratio = f"  base/kernel {min(results['base'][0]) / min(results['kernel'][0]):.2f}x" if base else ""
+            print(f"{str(dtype)[6:]:>8} ctx {context:3d}: {line}{ratio}")
+
+
+if __name__ == "__main__":
+    main()
