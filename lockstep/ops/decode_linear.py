@@ -123,21 +123,26 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+@functools.cache
+def _kernel_fn(level: str, dtype: torch.dtype, out_features: int, in_features: int):
+    """The ctypes function running a ``dtype [out_features, in_features]`` pack at ``level`` (resolved
+    once per shape: a decode step makes ~120 calls, each of which re-resolved it before)."""
+    if dtype == torch.float32:
+        return _f32_library()[1]
+    fn = _amx_library() if level == "amx" and amx_fits(out_features, in_features) else None
+    return fn or _bf16_library(level)[1]
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K] @ W.T (+ bias)`` on ``packed = pack(W)`` (x in W's dtype); ``bias`` is fp32
     ``[N]`` or None."""
     if not x.is_contiguous():
         x = x.contiguous()
+    k = x.shape[-1]
     out = x.new_empty((*x.shape[:-1], out_features))
     rows = out.numel() // out_features if out_features else 0
-    if rows:  # per call: ~1-2 us of Python here (the engine makes ~120 of these a decode step)
-        k = x.shape[-1]
-        if x.dtype == torch.float32:
-            fn = _f32_library()[1]
-        else:
-            level = isa.level()
-            fn = _amx_library() if level == "amx" and amx_fits(out_features, k) else None
-            fn = fn or _bf16_library(level)[1]
-        fn(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), rows,
-           out_features, k)
+    if rows:
+        _kernel_fn(isa.level(), x.dtype, out_features, k)(
+            x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), rows,
+            out_features, k)
     return out
