@@ -95,6 +95,22 @@ static inline __m512 exp_nonpositive(__m512 x) {
 #define MAX_GROUPS 16
 #define MAX_CHUNKS 16 /* head dims up to 256 */
 
+/* Blocks sit anywhere in the pools, so the hardware prefetcher loses the stream at each block edge,
+ * and one kv head reads only part of each row. On entering block `block` (first row `row`), the first
+ * kv head of a task asks for the next block's keys and this block's values, every kv head of them
+ * (contiguous: block_size rows of row_bytes), into L2 a block ahead of their reads. */
+static inline void prefetch_block(const void *k_pool, const void *v_pool, const int64_t *table, int64_t block,
+                                  int64_t row, int64_t n, int64_t row_bytes, int64_t block_size) {
+    const char *v = (const char *)v_pool + row * row_bytes;
+    for (int64_t at = 0; at < block_size * row_bytes; at += 64)
+        _mm_prefetch(v + at, _MM_HINT_T1);
+    for (int64_t ahead = 1; ahead <= 2 && (block + ahead) * block_size < n; ahead++) {
+        const char *k = (const char *)k_pool + table[block + ahead] * block_size * row_bytes;
+        for (int64_t at = 0; at < block_size * row_bytes; at += 64)
+            _mm_prefetch(k + at, _MM_HINT_T1);
+    }
+}
+
 /* v[j] -> the sum of v[j]'s 16 lanes, as lane j of the result (a transposed reduction: 45 instructions
  * for the 16 sums, where a horizontal sum takes about 8 per vector). Each 128-bit quarter sums as
  * (l0 + l2) + (l1 + l3), then the quarters as (q0 + q1) + (q2 + q3). */
@@ -132,7 +148,11 @@ static inline __attribute__((always_inline)) void attend_task(
                 acc[g][c] = _mm512_setzero_ps();
             }
         /* scores, 16 positions at a time; positions past n - 1 score 0 and are masked below */
-        int64_t row = table[lo / block_size] * block_size + lo % block_size;
+        int64_t block = lo / block_size, row = table[block] * block_size + lo % block_size;
+        int64_t left = block_size - lo % block_size; /* rows of this block still to read */
+        const int64_t row_bytes = row_stride * (is_bf16 ? 2 : 4);
+        if (kv == kv0)
+            prefetch_block(k_pool, v_pool, table, block, row - row % block_size, n, row_bytes, block_size);
         for (int64_t s0 = lo; s0 < n; s0 += LANES) {
             for (int64_t j = 0; j < LANES; j++) {
                 const int64_t s = s0 + j;
@@ -140,8 +160,12 @@ static inline __attribute__((always_inline)) void attend_task(
                     lane[g][j] = _mm512_setzero_ps();
                 if (s >= n)
                     continue;
-                if (s > lo && s % block_size == 0)
-                    row = table[s / block_size] * block_size;
+                if (left == 0) {
+                    row = table[++block] * block_size, left = block_size;
+                    if (kv == kv0)
+                        prefetch_block(k_pool, v_pool, table, block, row, n, row_bytes, block_size);
+                }
+                left--;
                 const int64_t at = row++ * row_stride + kv * d;
                 for (int64_t c = 0; c < chunks; c++) {
                     __m512 kc = load16(k_pool, at + c * LANES, is_bf16);
@@ -175,9 +199,10 @@ static inline __attribute__((always_inline)) void attend_task(
             }
             total[g] = _mm512_reduce_add_ps(sum) + (sinks ? expf(sink - top) : 0.0f);
         }
-        for (int64_t s = lo, row = table[lo / block_size] * block_size + lo % block_size; s < n; s++, row++) {
-            if (s % block_size == 0)
-                row = table[s / block_size] * block_size;
+        block = lo / block_size, row = table[block] * block_size + lo % block_size, left = block_size - lo % block_size;
+        for (int64_t s = lo; s < n; s++, row++, left--) {
+            if (left == 0)
+                row = table[++block] * block_size, left = block_size;
             const int64_t at = row * row_stride + kv * d;
             for (int64_t c = 0; c < chunks; c++) {
                 __m512 vc = load16(v_pool, at + c * LANES, is_bf16);
