@@ -97,8 +97,8 @@ static inline __m512 exp_nonpositive(__m512 x) {
 
 /* Blocks sit anywhere in the pools, so the hardware prefetcher loses the stream at each block edge,
  * and one kv head reads only part of each row. On entering block `block` (first row `row`), the first
- * kv head of a task asks for the next block's keys and this block's values, every kv head of them
- * (contiguous: block_size rows of row_bytes), into L2 a block ahead of their reads. */
+ * kv head of a task asks for the next two blocks' keys and this block's values, every kv head of them
+ * (contiguous: block_size rows of row_bytes), into L2 ahead of their reads. */
 static inline void prefetch_block(const void *k_pool, const void *v_pool, const int64_t *table, int64_t block,
                                   int64_t row, int64_t n, int64_t row_bytes, int64_t block_size) {
     const char *v = (const char *)v_pool + row * row_bytes;
