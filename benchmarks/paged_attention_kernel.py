@@ -2,6 +2,7 @@
 
 Usage:
     .venv/bin/python benchmarks/paged_attention_kernel.py [--baseline REV] [--rounds 5] [--threads 0]
+    .venv/bin/python benchmarks/paged_attention_kernel.py --engine [--dtype bfloat16]   # whole decode steps
     LOCKSTEP_CPU_ISA=portable .venv/bin/python benchmarks/paged_attention_kernel.py   # the C fallback
 
 Batch 16, 9 query / 3 kv heads of 64, 16-token blocks, contexts 32/64/128/256, fp32 and bf16; 30
@@ -16,6 +17,11 @@ of ``--rounds`` interleaved rounds, and the K/V bytes a call reads over that CPU
   ``--baseline`` (default ``HEAD``), called the same way as ``kernel``;
 - ``sdpa``: one ``F.scaled_dot_product_attention`` over already gathered contiguous K/V
   (``enable_gqa``), a reference point that pays neither the gather nor the table walk.
+
+``--engine``: lockstep's ``Engine`` on SmolLM2-135M (``compile_decode="inductor"``), batch 16,
+32-token prompts, 64 new tokens, the kernel swapped between ``kernel`` and ``base`` between
+interleaved rounds in one process (the compiled step calls the op's Python, which looks the library
+up per call, so both run the same compiled graph): process CPU seconds a round.
 """
 
 from __future__ import annotations
@@ -64,6 +70,37 @@ def case(context: int, dtype: torch.dtype, gen: torch.Generator, layers_count: i
     return layers
 
 
+def engine_rounds(base: ctypes.CDLL, dtype: str, rounds: int) -> None:
+    from lockstep.generate import Engine, EngineConfig, Request, SamplingParams
+    from lockstep.models.hf import load_hf
+    from lockstep.models.hf.gguf import smollm2_hf_dir
+
+    model = load_hf(smollm2_hf_dir(), dtype=torch.float32).eval()
+    engine = Engine(model, None, EngineConfig(cache_memory_mb=512, max_batch_size=BATCH, compile_decode="inductor",
+                                              weights_dtype="model" if dtype == "float32" else dtype))
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(100, 40000, (BATCH, 32), generator=gen).tolist()
+    sampling = SamplingParams(max_new_tokens=64, temperature=0, ignore_eos=True)
+    built, level = paged_attention._built, "avx512" if isa.at_least("avx512") else "portable"
+    libraries = {"kernel": built(level), "base": base}
+    times: dict[str, list[float]] = {name: [] for name in libraries}
+    tokens = {}
+    for round_ in range(rounds + 1):  # round 0 compiles
+        for name, lib in libraries.items():
+            paged_attention._built = lambda _level, lib=lib: lib
+            cpu = time.process_time()
+            results = engine.generate([Request(prompt_ids=p, sampling=sampling) for p in prompts])
+            if round_:
+                times[name].append(time.process_time() - cpu)
+            tokens[name] = [r.token_ids for r in results]
+    paged_attention._built = built
+    same = sum(a == b for a, b in zip(tokens["kernel"], tokens["base"]))
+    line = ", ".join(f"{name} {sorted(t)[len(t) // 2]:.2f} CPU s (min {min(t):.2f})" for name, t in times.items())
+    print(f"engine, SmolLM2 {dtype}, batch {BATCH}, 32 + 64 tokens, median of {rounds}: {line}; "
+          f"base/kernel {sorted(times['base'])[rounds // 2] / sorted(times['kernel'])[rounds // 2]:.3f}x; "
+          f"same greedy tokens {same}/{BATCH}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--baseline", default="HEAD", help="git revision of the kernel source to compare with")
@@ -71,10 +108,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=4, help="sweeps of 30 layers per timing")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--layers", type=int, default=LAYERS, help="distinct pools a sweep reads (1: all in cache)")
+    parser.add_argument("--engine", action="store_true", help="whole decode steps instead of the op alone")
+    parser.add_argument("--dtype", default="bfloat16", help="--engine: the engine's weights dtype")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     lib, base = paged_attention._library(), baseline_library(args.baseline)
+    if args.engine:
+        engine_rounds(base, args.dtype, args.rounds)
+        return
     gen = torch.Generator().manual_seed(0)
     scale = D**-0.5
     print(f"ISA level {isa.level()}, {torch.get_num_threads()} threads, baseline {args.baseline}")
