@@ -314,11 +314,11 @@ class Engine:
         # (they are opaque to dynamo), and the compiled pieces gave other numbers than eager
         compiled = self._compiled and not numerics.is_batch_invariant()
         rows = self._bucket(b) if compiled else b
-        tokens = torch.zeros(rows, 1, dtype=torch.long)
-        positions = torch.zeros(rows, 1, dtype=torch.long)
-        tokens[:b, 0] = torch.tensor([s.last_token for s in seqs])
-        positions[:b, 0] = torch.tensor([s.length - 1 for s in seqs])
-        n_blocks = -(-max(s.length for s in seqs) // self.config.block_size)
+        pad = [0] * (rows - b)  # padding rows: token 0 at position 0 (the null block's slot 0)
+        lengths = [s.length for s in seqs]
+        tokens = torch.tensor([s.last_token for s in seqs] + pad).view(rows, 1)
+        positions = torch.tensor([n - 1 for n in lengths] + pad).view(rows, 1)
+        n_blocks = -(-max(lengths) // self.config.block_size)
         if compiled:  # one graph per (batch, context) bucket: context padded to a power of two blocks
             n_blocks = 1 << max(0, math.ceil(math.log2(n_blocks)))
         tables = self._block_tables(seqs, n_blocks, rows)

@@ -199,10 +199,10 @@ def _single_product(layer: PackedLinear, x: torch.Tensor, with_bias: bool = True
     return _run(entry, x)
 
 
-def _packed_product(layers: list[PackedLinear], x: torch.Tensor) -> torch.Tensor:
+def _packed_product(layers: list[PackedLinear], x: torch.Tensor, key: tuple) -> torch.Tensor:
     """``cat([layer(x) for layer in layers], -1)`` as one product on the layers' packed
-    concatenated weight."""
-    return _run(_entry(layers, tuple(layer._pack_handle for layer in layers), layers[0]._pack_kernel), x)
+    concatenated weight (``key``: their handles)."""
+    return _run(_entry(layers, key, layers[0]._pack_kernel), x)
 
 
 # plain schemas + CPU kernels: the dispatcher calls them with ~1 us of overhead (torch.library.custom_op
@@ -220,7 +220,7 @@ def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
 def packed_linear_cat(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
     """``cat([layer(x) for layer in handles], -1)`` as one product on one packed weight (the layers
     share their input: q/k/v, gate/up)."""
-    return _packed_product([_LAYERS[h] for h in handles], x)
+    return _packed_product([_LAYERS[h] for h in handles], x, tuple(handles))
 
 
 _LIB.impl("packed_linear", packed_linear, "CPU")
