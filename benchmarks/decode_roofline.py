@@ -32,6 +32,8 @@ import torch
 from lockstep.ops import decode_linear, isa
 from lockstep.ops.cbuild import build_library
 
+from decode_kernels import best_of as best_of_clock  # this directory (benchmarks/) is on sys.path
+
 # SmolLM2-135M: dim 576, 30 layers, 9 query / 3 kv heads of 64, hidden 1536, vocab 49152 (head tied)
 DIM, LAYERS, HEADS, KV_HEADS, HEAD_DIM, HIDDEN, VOCAB = 576, 30, 9, 3, 64, 1536, 49152
 #: (name, out_features, in_features, count): q/k/v merged and gate/up merged as the engine's compiled
@@ -43,13 +45,7 @@ SHAPES = [("qkv", (HEADS + 2 * KV_HEADS) * HEAD_DIM, DIM, LAYERS), ("o", DIM, HE
 def best_of(fn, rounds: int) -> float:
     """Fewest seconds of this thread's CPU time one call took (a loaded host deschedules the thread:
     wall time would count that; everything here runs on the calling thread)."""
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.thread_time()
-        fn()
-        best = min(best, time.thread_time() - start)
-    return best
+    return best_of_clock(fn, rounds, clock=time.thread_time)
 
 
 def bandwidth(rounds: int) -> dict[str, float]:

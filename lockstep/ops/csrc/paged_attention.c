@@ -46,6 +46,18 @@ static inline uint16_t round_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
+/* A query at `position` attends keys lo .. n - 1: n = position + 1 clamped to [1, capacity] (the table's
+ * positions), lo = n - window under a sliding window (else 0). Returns n, writes lo. */
+static inline int64_t context_range(int64_t position, int64_t capacity, int64_t window, int64_t *lo) {
+    int64_t n = position + 1;
+    if (n > capacity)
+        n = capacity;
+    if (n < 1)
+        n = 1;
+    *lo = window > 0 && n > window ? n - window : 0;
+    return n;
+}
+
 /* element i of a bf16 (is_bf16) or fp32 array, as fp32 */
 static inline float load(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? widen_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -278,12 +290,8 @@ static void attend_avx512(const void *q, const void *k_pool, const void *v_pool,
         #pragma omp for schedule(static)
         for (int64_t task = 0; task < batch * per_seq; task++) {
             const int64_t b = task / per_seq, kv0 = task % per_seq * kv_per_task;
-            int64_t n = positions[b] + 1;
-            if (n > block_size * table_width)
-                n = block_size * table_width;
-            if (n < 1)
-                n = 1;
-            const int64_t lo = window > 0 && n > window ? n - window : 0;
+            int64_t lo;
+            const int64_t n = context_range(positions[b], block_size * table_width, window, &lo);
             task_body(q, k_pool, v_pool, tables + b * table_width, lo, n, out, b, kv0, kv_per_task, heads, kv_heads,
                       d, block_size, scale, is_bf16, sinks, groups, chunks, scores);
         }
@@ -300,12 +308,8 @@ static inline void attend(const void *q, const void *k_pool, const void *v_pool,
     #pragma omp parallel for schedule(static)
     for (int64_t task = 0; task < batch * kv_heads; task++) {
         const int64_t b = task / kv_heads, kvh = task % kv_heads;
-        int64_t n = positions[b] + 1;
-        if (n > block_size * table_width)
-            n = block_size * table_width;
-        if (n < 1)
-            n = 1;
-        const int64_t lo = window > 0 && n > window ? n - window : 0;
+        int64_t lo;
+        const int64_t n = context_range(positions[b], block_size * table_width, window, &lo);
         float *qf = malloc(sizeof(float) * (size_t)(groups * (2 * d + n)));
         float *acc = qf + groups * d, *scores = acc + groups * d;
         const int64_t head0 = b * heads + kvh * groups;
