@@ -165,12 +165,15 @@ def _load_image(reference: str, where: str) -> Any:
                           f"a data: URL or the image itself)")
     try:
         if reference.startswith("data:"):
-            return Image.open(io.BytesIO(base64.b64decode(reference.split(",", 1)[1])))
-        path = reference[len("file://"):] if reference.startswith("file://") else reference
-        with Image.open(path) as image:
-            image.load()
+            # validate: junk characters are an error, not silently skipped (whitespace is allowed)
+            payload = base64.b64decode("".join(reference.split(",", 1)[1].split()), validate=True)
+            source: Any = io.BytesIO(payload)
+        else:
+            source = reference[len("file://"):] if reference.startswith("file://") else reference
+        with Image.open(source) as image:
+            image.load()  # decoded now: a truncated or corrupt file fails here, naming the part
             return image
-    except (OSError, ValueError, IndexError) as err:
+    except (OSError, ValueError, IndexError, Image.DecompressionBombError) as err:
         raise ConfigError(f"{where}: cannot read the image {reference[:80]!r}: {err}") from None
 
 

@@ -165,6 +165,11 @@ def load_images(messages: Sequence[Mapping[str, Any]], limits: ImageLimits) -> l
     try:
         images = message_images(checked)
     except ConfigError as err:  # the message starts with messages[i].content[j]
+        for where in where_of:  # an image part's decoding failed (message_images decodes each image whole)
+            part = where.removesuffix(".image_url.url") + ": "
+            if str(err).startswith(part):
+                reason = str(err)[len(part):].split(": ", 1)[-1]
+                raise ApiError(400, f"{where}: the image cannot be decoded: {reason}", where) from None
         raise ApiError(400, str(err), "messages") from None
     for image, where in zip(images, where_of, strict=True):
         if image.format not in FORMATS:  # message_images opened it with every decoder: the same one?

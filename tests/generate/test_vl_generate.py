@@ -316,5 +316,18 @@ def test_message_images_sources_and_errors(tmp_path):
         message_images([{"role": "user", "content": [{"type": "image", "path": str(tmp_path / "missing.png")}]}])
     with pytest.raises(ConfigError, match=r"messages\[0\].content: must be a string or a list of parts"):
         message_images([{"role": "user", "content": 3}])
+    # data: URLs: junk in the base64, a truncated image and a decompression bomb name the part too
+    for url in [data_url[:40] + "!!" + data_url[40:], data_url[:len(data_url) // 2 // 4 * 4]]:
+        with pytest.raises(ConfigError, match=r"messages\[0\].content\[0\]: cannot read the image"):
+            message_images([{"role": "user", "content": [{"type": "image_url", "image_url": url}]}])
+    assert np.array_equal(np.asarray(message_images([{"role": "user", "content": [
+        {"type": "image_url", "image_url": data_url[:50] + "\n" + data_url[50:]}]}])[0]), array)  # wrapped lines
+    bomb_limit = PIL.MAX_IMAGE_PIXELS
+    try:
+        PIL.MAX_IMAGE_PIXELS = array.shape[0] * array.shape[1] // 4  # > 2x the limit: PIL's DecompressionBombError
+        with pytest.raises(ConfigError, match=r"messages\[0\].content\[0\]: cannot read the image .*decompression"):
+            message_images([{"role": "user", "content": [{"type": "image_url", "image_url": data_url}]}])
+    finally:
+        PIL.MAX_IMAGE_PIXELS = bomb_limit
     with pytest.raises(ConfigError, match=r"messages\[0\].content\[0\]: must be a dict with a 'type'"):
         ChatTemplate(VL_TEMPLATE).render([{"role": "user", "content": ["text"]}])
