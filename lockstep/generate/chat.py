@@ -173,7 +173,8 @@ def _load_image(reference: str, where: str) -> Any:
         with Image.open(source) as image:
             image.load()  # decoded now: a truncated or corrupt file fails here, naming the part
             return image
-    except (OSError, ValueError, IndexError, Image.DecompressionBombError) as err:
+    # SyntaxError: what PIL's decoders raise for some broken files (e.g. a PNG's bad chunk) while loading
+    except (OSError, ValueError, IndexError, SyntaxError, Image.DecompressionBombError) as err:
         raise ConfigError(f"{where}: cannot read the image {reference[:80]!r}: {err}") from None
 
 

@@ -174,8 +174,4 @@ def load_images(messages: Sequence[Mapping[str, Any]], limits: ImageLimits) -> l
     for image, where in zip(images, where_of, strict=True):
         if image.format not in FORMATS:  # message_images opened it with every decoder: the same one?
             raise ApiError(400, f"{where}: not an image in a supported format ({', '.join(FORMATS)})", where)
-        try:
-            image.load()
-        except (OSError, ValueError, SyntaxError) as err:
-            raise ApiError(400, f"{where}: the image cannot be decoded: {err}", where) from None
     return images
