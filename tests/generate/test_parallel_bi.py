@@ -28,7 +28,6 @@ are refused by the split.
 
 import datetime
 import os
-import sys
 
 import pytest
 import torch
@@ -43,6 +42,7 @@ from lockstep.models.common.transformer import build_meta_model
 from lockstep.models.registry import model_config
 from lockstep.ops import batch_invariant as bi
 from lockstep.ops.tp_invariant import tree_sum
+from lockstep.parallel.launch import finish
 from lockstep.parallel.parallelize import apply_dense_tp
 from lockstep.parallel.tp_sums import split_row_parallel_sums
 from lockstep.rl.scoring import score_logprobs
@@ -98,9 +98,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     requests = share_requests(_requests(sampled_temperature=0.8) if rank == 0 else None)
     results = {case: _case(case.split("/")[0], DTYPES[case.split("/")[1]], requests, mesh) for case in CASES}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    finish(0)  # destroy the process group, then os._exit (an exiting gloo worker can crash otherwise)
 
 
 @pytest.fixture(scope="module")
