@@ -8,20 +8,27 @@ Usage:
 Batch 16, 9 query / 3 kv heads of 64, 16-token blocks, contexts 32/64/128/256, fp32 and bf16; 30
 layers' worth of distinct pools per sweep (as a decode step reads them). Per call, process CPU time
 (all OpenMP threads; the host is shared, so CPU time is steadier than wall time) and wall time, best
-of ``--rounds`` interleaved rounds, and the K/V bytes a call reads over that CPU time. Sides:
+of ``--rounds`` interleaved rounds, and the K/V bytes a call reads over that CPU time. Block tables:
+``--placement consecutive`` gives each sequence consecutive blocks (what the engine's allocator hands
+out to sequences admitted together), ``scattered`` a random permutation of the pool. Pool layouts
+(the same values, logically ``[blocks, block_size, Hkv, D]``): ``token`` (token-major, contiguous in
+that order: the cache's layout before head-major pools), ``head`` (``[Hkv, blocks, block_size, D]``
+storage: the cache's layout), ``block-head`` (``[blocks, Hkv, block_size, D]``). Sides:
 
-- ``op``: ``torch.ops.lockstep.paged_decode_attention`` (the Python wrapper and the kernel);
-- ``kernel``: the same library called straight through ctypes with tables/positions prepared once
-  (so ``op`` minus ``kernel`` is the per-call wrapper cost);
+- ``op``: ``torch.ops.lockstep.paged_decode_attention`` (the Python wrapper and the kernel), head layout;
+- ``kernel:LAYOUT``: the same library called straight through ctypes with tables/positions prepared
+  once (so ``op`` minus ``kernel:head`` is the per-call wrapper cost);
 - ``base``: the kernel built from ``lockstep/ops/csrc/paged_attention.c`` at git revision
-  ``--baseline`` (default ``HEAD``), called the same way as ``kernel``;
+  ``--baseline`` (default ``HEAD``), called the same way as ``kernel``, on the token layout (a
+  revision before strided pools reads only that one);
 - ``sdpa``: one ``F.scaled_dot_product_attention`` over already gathered contiguous K/V
   (``enable_gqa``), a reference point that pays neither the gather nor the table walk.
 
 ``--engine``: lockstep's ``Engine`` on SmolLM2-135M (``compile_decode="inductor"``), batch 16,
 32-token prompts, 64 new tokens, the kernel swapped between ``kernel`` and ``base`` between
 interleaved rounds in one process (the compiled step calls the op's Python, which looks the library
-up per call, so both run the same compiled graph): process CPU seconds a round.
+up per call, so both run the same compiled graph): process CPU seconds a round. Only for a baseline
+that reads the cache's current pool layout (a strided kernel: revisions from the head-major pools on).
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from lockstep.ops.cbuild import build_library
 
 BATCH, HEADS, KV_HEADS, D, BLOCK, LAYERS = 16, 9, 3, 64, 16, 30
 CONTEXTS = (32, 64, 128, 256)
+#: storage order of each pool layout, as a permutation of the logical [blocks, block_size, Hkv, D]
+LAYOUTS = {"token": (0, 1, 2, 3), "head": (2, 0, 1, 3), "block-head": (0, 2, 1, 3)}
 
 
 def baseline_library(rev: str) -> ctypes.CDLL | None:
@@ -48,25 +57,37 @@ def baseline_library(rev: str) -> ctypes.CDLL | None:
                             text=True, check=True, cwd=Path(__file__).parent).stdout
     path = Path(tempfile.mkdtemp()) / "paged_attention_base.c"
     path.write_text(source)
+    strided = "block_stride" in source  # the kernel takes the pools' strides (from the head-major pools on)
     level = "avx512" if isa.at_least("avx512") else "portable"
     lib = build_library(f"paged_attention_base_{level}", [path], paged_attention._FLAGS + isa.march_flags(level),
                         "the baseline paged attention kernel")
     if lib is not None:
-        lib.paged_decode_attention.argtypes = paged_attention._library().paged_decode_attention.argtypes
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.paged_decode_attention.argtypes = [ptr] * 6 + [i64] * (9 if strided else 6) + [
+            ctypes.c_float, ctypes.c_int, ptr, i64]
+        lib.strided = strided
     return lib
 
 
-def case(context: int, dtype: torch.dtype, gen: torch.Generator, layers_count: int) -> list[dict]:
+def pool_in(layout: str, pool: torch.Tensor) -> torch.Tensor:
+    """``pool [blocks, block_size, Hkv, D]`` stored in ``layout``'s order, viewed back in the logical order."""
+    order = LAYOUTS[layout]
+    return pool.permute(order).contiguous().permute([order.index(i) for i in range(4)])
+
+
+def case(context: int, dtype: torch.dtype, gen: torch.Generator, layers_count: int, placement: str) -> list[dict]:
     width = (context + BLOCK - 1) // BLOCK
     blocks = BATCH * width + 1
     layers = []
     for _ in range(layers_count):
         k_pool = torch.randn(blocks, BLOCK, KV_HEADS, D, generator=gen).to(dtype)
         v_pool = torch.randn(blocks, BLOCK, KV_HEADS, D, generator=gen).to(dtype)
-        tables = (torch.randperm(blocks - 1, generator=gen)[: BATCH * width].view(BATCH, width) + 1).contiguous()
+        ids = torch.randperm(blocks - 1, generator=gen) if placement == "scattered" else torch.arange(blocks - 1)
+        tables = (ids[: BATCH * width].view(BATCH, width) + 1).contiguous()
         k = k_pool[tables.reshape(-1)].view(BATCH, width * BLOCK, KV_HEADS, D)[:, :context].transpose(1, 2)
         v = v_pool[tables.reshape(-1)].view(BATCH, width * BLOCK, KV_HEADS, D)[:, :context].transpose(1, 2)
-        layers.append(dict(k_pool=k_pool, v_pool=v_pool, tables=tables, k=k.contiguous(), v=v.contiguous()))
+        layers.append(dict(tables=tables, k=k.contiguous(), v=v.contiguous(),
+                           **{layout: (pool_in(layout, k_pool), pool_in(layout, v_pool)) for layout in LAYOUTS}))
     return layers
 
 
@@ -110,41 +131,48 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=LAYERS, help="distinct pools a sweep reads (1: all in cache)")
     parser.add_argument("--engine", action="store_true", help="whole decode steps instead of the op alone")
     parser.add_argument("--dtype", default="bfloat16", help="--engine: the engine's weights dtype")
+    parser.add_argument("--placement", choices=("consecutive", "scattered"), default="consecutive",
+                        help="each sequence's blocks: consecutive in the pool (as the engine allocates) or random")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     lib, base = paged_attention._library(), baseline_library(args.baseline)
     if args.engine:
+        if base is None or not base.strided:
+            parser.error("--engine needs a --baseline whose kernel takes the pools' strides (the cache's layout)")
         engine_rounds(base, args.dtype, args.rounds)
         return
     gen = torch.Generator().manual_seed(0)
     scale = D**-0.5
-    print(f"ISA level {isa.level()}, {torch.get_num_threads()} threads, baseline {args.baseline}")
+    print(f"ISA level {isa.level()}, {torch.get_num_threads()} threads, baseline {args.baseline}, "
+          f"{args.layers} layers' pools, {args.placement} blocks")
     print(f"batch {BATCH}, {HEADS}/{KV_HEADS} heads of {D}, blocks of {BLOCK}; us a call (process CPU / wall), "
           f"best of {args.rounds}; GB/s = K/V bytes read / CPU time")
     for dtype in (torch.float32, torch.bfloat16):
         for context in CONTEXTS:
-            layers = case(context, dtype, gen, args.layers)
+            layers = case(context, dtype, gen, args.layers, args.placement)
             q = torch.randn(BATCH, HEADS, 1, D, generator=gen).to(dtype)
             positions = torch.full((BATCH, 1), context - 1, dtype=torch.int64)
             out = torch.empty_like(q)
             bf16 = int(dtype == torch.bfloat16)
 
-            def raw(library, layer):
-                library.paged_decode_attention(q.data_ptr(), layer["k_pool"].data_ptr(), layer["v_pool"].data_ptr(),
+            def raw(library, layer, layout, strided=True):
+                k_pool, v_pool = layer[layout]
+                strides = k_pool.stride()[:3] if strided else ()
+                library.paged_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
                                                layer["tables"].data_ptr(), positions.data_ptr(), out.data_ptr(),
-                                               BATCH, HEADS, KV_HEADS, D, BLOCK, layer["tables"].shape[1], scale,
-                                               bf16, None, 0)
+                                               BATCH, HEADS, KV_HEADS, D, BLOCK, layer["tables"].shape[1], *strides,
+                                               scale, bf16, None, 0)
 
             sides = {
                 "op": lambda layer: torch.ops.lockstep.paged_decode_attention(
-                    q, layer["k_pool"], layer["v_pool"], layer["tables"], positions, scale),
-                "kernel": lambda layer: raw(lib, layer),
+                    q, *layer["head"], layer["tables"], positions, scale),
+                **{f"kernel:{layout}": lambda layer, layout=layout: raw(lib, layer, layout) for layout in LAYOUTS},
                 "sdpa": lambda layer: F.scaled_dot_product_attention(q, layer["k"], layer["v"], scale=scale,
                                                                      enable_gqa=True),
             }
             if base is not None:
-                sides["base"] = lambda layer: raw(base, layer)
+                sides["base"] = lambda layer: raw(base, layer, "token", base.strided)
             results = {name: ([], []) for name in sides}
             for name, fn in sides.items():  # warm-up
                 for layer in layers:
@@ -161,7 +189,8 @@ def main() -> None:
             kv_bytes = 2 * BATCH * context * KV_HEADS * D * q.element_size()
             line = "  ".join(f"{name} {min(c) * 1e6:6.1f}/{min(w) * 1e6:6.1f} ({kv_bytes / min(c) / 1e9:4.1f} GB/s)"
                              for name, (c, w) in results.items())
-            ratio = f"  base/kernel {min(results['base'][0]) / min(results['kernel'][0]):.2f}x" if base else ""
+            ratio = (f"  base/kernel:head {min(results['base'][0]) / min(results['kernel:head'][0]):.2f}x"
+                     if base else "")
             print(f"{str(dtype)[6:]:>8} ctx {context:3d}: {line}{ratio}")
 
 

@@ -44,7 +44,7 @@ def _built(level: str) -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.paged_decode_attention.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ptr, i64]
+    lib.paged_decode_attention.argtypes = [ptr] * 6 + [i64] * 9 + [ctypes.c_float, ctypes.c_int, ptr, i64]
     lib.paged_decode_attention.restype = None
     return lib
 
@@ -56,9 +56,11 @@ def available() -> bool:
 
 def usable(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
     """Whether a decode call with query ``q [B, H, 1, D]`` and these pools fits the kernel (shapes,
-    dtypes, device: traceable checks only; :func:`available` is the caller's, outside compiled code)."""
+    dtypes, device: traceable checks only; :func:`available` is the caller's, outside compiled code). The
+    pools may have any strides with a contiguous head dim, the same for both."""
     return (q.dim() == 4 and q.shape[2] == 1 and q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float32)
             and k_pool.dtype == q.dtype and v_pool.dtype == q.dtype and k_pool.shape == v_pool.shape
+            and k_pool.stride() == v_pool.stride() and k_pool.stride(3) == 1
             and q.shape[-1] == k_pool.shape[-1] and q.shape[-1] % LANES == 0
             and q.shape[1] % k_pool.shape[2] == 0 and not q.requires_grad)
 
@@ -71,7 +73,8 @@ _LIB.define("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tens
 def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
                            positions: torch.Tensor, scale: float, sinks: torch.Tensor | None = None,
                            window: int = 0) -> torch.Tensor:
-    """``q [B, H, 1, D]``, pools ``[blocks, block_size, Hkv, D]``, ``block_tables [B, W]`` (int64),
+    """``q [B, H, 1, D]``, pools ``[blocks, block_size, Hkv, D]`` (any strides, a contiguous ``D``, the
+    same for both: the cache's are head-major views), ``block_tables [B, W]`` (int64),
     ``positions [B, 1]`` (query b attends context positions 0..positions[b]) -> ``[B, H, 1, D]``.
     ``sinks [H]``: per-head logits in the softmax denominator; ``window`` > 0: only positions
     ``positions[b] - window < s`` are read."""
@@ -83,7 +86,7 @@ def paged_decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     sink_logits = None if sinks is None else sinks.detach().to(torch.float32).contiguous()
     _library().paged_decode_attention(q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), tables.data_ptr(),
                                       pos.data_ptr(), out.data_ptr(), b, heads, kv_heads, d, block_size,
-                                      tables.shape[1], scale, int(q.dtype == torch.bfloat16),
+                                      tables.shape[1], *k_pool.stride()[:3], scale, int(q.dtype == torch.bfloat16),
                                       None if sink_logits is None else sink_logits.data_ptr(), int(window))
     return out
 

@@ -7,6 +7,8 @@ are averages of unit-scale vectors; measured ~1e-6), bf16 outputs to two bf16 ul
 and 128, contexts that end inside, at the end of, and past several blocks, null-block padding in
 the tables, and rows at position 0. Both of the kernel's builds run here wherever the CPU runs them:
 the AVX-512 path (ISA levels avx512 and amx) and the portable one (forced with ``isa_level``).
+The pools are the cache's head-major views (``[Hkv, blocks, block_size, D]`` storage); the kernel
+reads any strides in the same order, so other layouts of the same values give identical bits.
 """
 
 from __future__ import annotations
@@ -22,13 +24,21 @@ pytestmark = pytest.mark.skipif(not paged_attention.available(), reason="no C co
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2.0**-7}
 #: the kernel's distinct builds this machine runs
 PATHS = [level for level in ("avx512", "portable") if level in isa.runnable()]
+#: storage orders of the logical [blocks, block_size, Hkv, D] pools: the cache's head-major one, token-major
+#: (the layout before it) and head-major within each block
+LAYOUTS = {"head": (2, 0, 1, 3), "token": (0, 1, 2, 3), "block-head": (0, 2, 1, 3)}
 
 
-def _case(batch, heads, kv_heads, d, block_size, width, dtype, seed=0):
+def _stored(pool, layout):
+    order = LAYOUTS[layout]
+    return pool.permute(order).contiguous().permute([order.index(i) for i in range(4)])
+
+
+def _case(batch, heads, kv_heads, d, block_size, width, dtype, seed=0, layout="head"):
     gen = torch.Generator().manual_seed(seed)
     blocks = batch * width + 1
-    k_pool = torch.randn(blocks, block_size, kv_heads, d, generator=gen).to(dtype)
-    v_pool = torch.randn(blocks, block_size, kv_heads, d, generator=gen).to(dtype)
+    k_pool = _stored(torch.randn(blocks, block_size, kv_heads, d, generator=gen).to(dtype), layout)
+    v_pool = _stored(torch.randn(blocks, block_size, kv_heads, d, generator=gen).to(dtype), layout)
     q = torch.randn(batch, heads, 1, d, generator=gen).to(dtype)
     tables = torch.randperm(blocks - 1, generator=gen)[: batch * width].view(batch, width) + 1
     positions = torch.randint(0, width * block_size, (batch, 1), generator=gen)
@@ -69,8 +79,24 @@ def test_position_zero_returns_the_first_value_row(isa_level):
     assert torch.equal(got[0, :, 0], first.repeat_interleave(2, dim=0))
 
 
+@pytest.mark.parametrize("isa_level", PATHS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_pool_layout_gives_the_same_bits(dtype, isa_level):
+    """Strides change where rows are read, not the arithmetic: token-major, head-major and head-major
+    within blocks give identical outputs (batch 2 and 5: a task per kv head / per sequence)."""
+    for batch in (2, 5):
+        outs = []
+        for layout in LAYOUTS:
+            q, k_pool, v_pool, tables, positions = _case(batch, 9, 3, 64, 4, 6, dtype, seed=4, layout=layout)
+            assert paged_attention.usable(q, k_pool, v_pool)
+            outs.append(torch.ops.lockstep.paged_decode_attention(q, k_pool, v_pool, tables, positions, 0.125))
+        assert all(torch.equal(outs[0], out) for out in outs[1:])
+
+
 def test_unusable_shapes_are_declined():
     q, k_pool, v_pool, *_ = _case(2, 4, 2, 64, block_size=4, width=2, dtype=torch.float32)
+    assert not paged_attention.usable(q, k_pool, v_pool.contiguous())  # K and V strides differ
+    assert not paged_attention.usable(q, k_pool[..., ::2], v_pool[..., ::2])  # head dim not contiguous
     assert not paged_attention.usable(q.expand(2, 4, 3, 64), k_pool, v_pool)  # prefill: T > 1
     assert not paged_attention.usable(q.to(torch.bfloat16), k_pool, v_pool)  # dtype mismatch
     assert not paged_attention.usable(q[..., :40], k_pool[..., :40], v_pool[..., :40])  # d % 16

@@ -1,7 +1,9 @@
 /* Decode attention straight from the paged KV cache (lockstep/ops/paged_attention.py).
  *
- * One query token per sequence: q [B, H, D]; keys/values live in block pools [blocks, block_size,
- * Hkv, D] and sequence b's context position s is row (tables[b][s / block_size], s % block_size).
+ * One query token per sequence: q [B, H, D]; keys/values live in block pools, logically [blocks,
+ * block_size, Hkv, D] with any strides but a contiguous D (struct layout: the engine's pools are
+ * head-major, [Hkv, blocks, block_size, D], so a kv head's rows in consecutive blocks form one run),
+ * and sequence b's context position s is row (tables[b][s / block_size], s % block_size).
  * Query b attends context positions 0..positions[b]. out [B, H, D]. Optional (GPT-OSS): sinks [H]
  * (fp32 logits, NULL for none) join every softmax denominator and attend to nothing; window > 0 limits
  * query b to its last `window` positions (lo = positions[b] + 1 - window on), so blocks before lo are
@@ -58,6 +60,12 @@ static inline int64_t context_range(int64_t position, int64_t capacity, int64_t 
     return n;
 }
 
+/* Where row r (0 .. block_size - 1) of kv head h in pool block t starts, in elements:
+ * t * block_stride + r * row_stride + h * head_stride; its d elements are contiguous. K and V share it. */
+struct layout {
+    int64_t d, block_size, block_stride, row_stride, head_stride;
+};
+
 /* element i of a bf16 (is_bf16) or fp32 array, as fp32 */
 static inline float load(const void *p, int64_t i, int is_bf16) {
     return is_bf16 ? widen_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
@@ -107,20 +115,22 @@ static inline __m512 exp_nonpositive(__m512 x) {
 #define MAX_GROUPS 16
 #define MAX_CHUNKS 16 /* head dims up to 256 */
 
-/* Blocks sit anywhere in the pools, so the hardware prefetcher loses the stream at each block edge,
- * and one kv head reads only part of each row. On entering block `block` (first row `row`), the first
- * kv head of a task asks for the next two blocks' keys and this block's values, every kv head of them
- * (contiguous: block_size rows of row_bytes), into L2 ahead of their reads. */
+/* One kv head's block_size rows of a block (`at`: its first element) into L2. */
+static inline void prefetch_rows(const void *pool, int64_t at, const struct layout *lay, int64_t elem) {
+    const char *p = (const char *)pool + at * elem;
+    for (int64_t r = 0; r < lay->block_size; r++, p += lay->row_stride * elem)
+        for (int64_t off = 0; off < lay->d * elem; off += 64)
+            _mm_prefetch(p + off, _MM_HINT_T1);
+}
+
+/* Blocks sit anywhere in the pools, so the hardware prefetcher loses the stream at each block edge.
+ * On entering block `block` of the table, a kv head (first element `head_at` within a block) asks
+ * for its values of this block and its keys of the next two blocks, into L2 ahead of their reads. */
 static inline void prefetch_block(const void *k_pool, const void *v_pool, const int64_t *table, int64_t block,
-                                  int64_t row, int64_t n, int64_t row_bytes, int64_t block_size) {
-    const char *v = (const char *)v_pool + row * row_bytes;
-    for (int64_t at = 0; at < block_size * row_bytes; at += 64)
-        _mm_prefetch(v + at, _MM_HINT_T1);
-    for (int64_t ahead = 1; ahead <= 2 && (block + ahead) * block_size < n; ahead++) {
-        const char *k = (const char *)k_pool + table[block + ahead] * block_size * row_bytes;
-        for (int64_t at = 0; at < block_size * row_bytes; at += 64)
-            _mm_prefetch(k + at, _MM_HINT_T1);
-    }
+                                  int64_t head_at, int64_t n, const struct layout *lay, int64_t elem) {
+    prefetch_rows(v_pool, table[block] * lay->block_stride + head_at, lay, elem);
+    for (int64_t ahead = 1; ahead <= 2 && (block + ahead) * lay->block_size < n; ahead++)
+        prefetch_rows(k_pool, table[block + ahead] * lay->block_stride + head_at, lay, elem);
 }
 
 /* v[j] -> the sum of v[j]'s 16 lanes, as lane j of the result (a transposed reduction: 45 instructions
@@ -145,10 +155,10 @@ static inline __m512 sum_lanes16(const __m512 v[LANES]) {
  * cases (the task_G_C_BF functions below), so the loops over them unroll. */
 static inline __attribute__((always_inline)) void attend_task(
         const void *q, const void *k_pool, const void *v_pool, const int64_t *table, int64_t lo, int64_t n,
-        void *out, int64_t b, int64_t kv0, int64_t kv_count, int64_t heads, int64_t kv_heads, int64_t d,
-        int64_t block_size, float scale, int is_bf16, const float *sinks, const int64_t groups,
-        const int64_t chunks, float *scores) {
-    const int64_t row_stride = kv_heads * d;
+        void *out, int64_t b, int64_t kv0, int64_t kv_count, int64_t heads, const struct layout *lay,
+        float scale, int is_bf16, const float *sinks, const int64_t groups, const int64_t chunks, float *scores) {
+    const int64_t d = lay->d, block_size = lay->block_size, block_stride = lay->block_stride;
+    const int64_t row_stride = lay->row_stride, elem = is_bf16 ? 2 : 4;
     const int64_t m = n - lo; /* keys lo .. n - 1, scores stored from 0 */
     const int64_t stride = (m + LANES - 1) / LANES * LANES;
     for (int64_t kv = kv0; kv < kv0 + kv_count; kv++) {
@@ -160,11 +170,10 @@ static inline __attribute__((always_inline)) void attend_task(
                 acc[g][c] = _mm512_setzero_ps();
             }
         /* scores, 16 positions at a time; positions past n - 1 score 0 and are masked below */
-        int64_t block = lo / block_size, row = table[block] * block_size + lo % block_size;
-        int64_t left = block_size - lo % block_size; /* rows of this block still to read */
-        const int64_t row_bytes = row_stride * (is_bf16 ? 2 : 4);
-        if (kv == kv0)
-            prefetch_block(k_pool, v_pool, table, block, row - row % block_size, n, row_bytes, block_size);
+        const int64_t head_at = kv * lay->head_stride;
+        int64_t block = lo / block_size, left = block_size - lo % block_size; /* rows of this block still to read */
+        int64_t at = table[block] * block_stride + head_at + lo % block_size * row_stride;
+        prefetch_block(k_pool, v_pool, table, block, head_at, n, lay, elem);
         for (int64_t s0 = lo; s0 < n; s0 += LANES) {
             for (int64_t j = 0; j < LANES; j++) {
                 const int64_t s = s0 + j;
@@ -173,17 +182,16 @@ static inline __attribute__((always_inline)) void attend_task(
                 if (s >= n)
                     continue;
                 if (left == 0) {
-                    row = table[++block] * block_size, left = block_size;
-                    if (kv == kv0)
-                        prefetch_block(k_pool, v_pool, table, block, row, n, row_bytes, block_size);
+                    at = table[++block] * block_stride + head_at, left = block_size;
+                    prefetch_block(k_pool, v_pool, table, block, head_at, n, lay, elem);
                 }
                 left--;
-                const int64_t at = row++ * row_stride + kv * d;
                 for (int64_t c = 0; c < chunks; c++) {
                     __m512 kc = load16(k_pool, at + c * LANES, is_bf16);
                     for (int64_t g = 0; g < groups; g++)
                         lane[g][j] = _mm512_fmadd_ps(qv[g][c], kc, lane[g][j]);
                 }
+                at += row_stride;
             }
             for (int64_t g = 0; g < groups; g++)
                 _mm512_storeu_ps(scores + g * stride + s0 - lo, sum_lanes16(lane[g]));
@@ -211,11 +219,11 @@ static inline __attribute__((always_inline)) void attend_task(
             }
             total[g] = _mm512_reduce_add_ps(sum) + (sinks ? expf(sink - top) : 0.0f);
         }
-        block = lo / block_size, row = table[block] * block_size + lo % block_size, left = block_size - lo % block_size;
-        for (int64_t s = lo; s < n; s++, row++, left--) {
+        block = lo / block_size, left = block_size - lo % block_size;
+        at = table[block] * block_stride + head_at + lo % block_size * row_stride;
+        for (int64_t s = lo; s < n; s++, at += row_stride, left--) {
             if (left == 0)
-                row = table[++block] * block_size, left = block_size;
-            const int64_t at = row * row_stride + kv * d;
+                at = table[++block] * block_stride + head_at, left = block_size;
             for (int64_t c = 0; c < chunks; c++) {
                 __m512 vc = load16(v_pool, at + c * LANES, is_bf16);
                 for (int64_t g = 0; g < groups; g++)
@@ -241,8 +249,8 @@ static inline __attribute__((always_inline)) void attend_task(
 }
 
 typedef void (*task_fn)(const void *, const void *, const void *, const int64_t *, int64_t, int64_t, void *, int64_t,
-                        int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int, const float *, int64_t,
-                        int64_t, float *);
+                        int64_t, int64_t, int64_t, const struct layout *, float, int, const float *, int64_t, int64_t,
+                        float *);
 
 /* attend_task with groups, chunks and the dtype as literals: a function each, called through a pointer
  * from the OpenMP loop (GCC outlines a parallel region before inlining, so constants passed into an
@@ -250,12 +258,11 @@ typedef void (*task_fn)(const void *, const void *, const void *, const int64_t 
 #define TASK(G, C, BF)                                                                                     \
     static void task_##G##_##C##_##BF(const void *q, const void *k_pool, const void *v_pool, const int64_t *table, \
                                       int64_t lo, int64_t n, void *out, int64_t b, int64_t kv0, int64_t kv_count,  \
-                                      int64_t heads, int64_t kv_heads, int64_t d, int64_t block_size, float scale, \
-                                      int is_bf16, const float *sinks, int64_t groups, int64_t chunks,             \
-                                      float *scores) {                                                             \
+                                      int64_t heads, const struct layout *lay, float scale, int is_bf16,           \
+                                      const float *sinks, int64_t groups, int64_t chunks, float *scores) {         \
         (void)is_bf16, (void)groups, (void)chunks;                                                                 \
-        attend_task(q, k_pool, v_pool, table, lo, n, out, b, kv0, kv_count, heads, kv_heads, d, block_size,        \
-                    scale, BF, sinks, G, C, scores);                                                               \
+        attend_task(q, k_pool, v_pool, table, lo, n, out, b, kv0, kv_count, heads, lay, scale, BF, sinks, G, C,    \
+                    scores);                                                                                       \
     }
 #define FIXED_SHAPES(X) X(1, 4) X(2, 4) X(3, 4) X(4, 4) X(1, 8) X(2, 8) X(4, 8) X(8, 8)
 #define TASKS(G, C) TASK(G, C, 0) TASK(G, C, 1)
@@ -263,18 +270,18 @@ FIXED_SHAPES(TASKS)
 #undef TASKS
 
 static void task_any(const void *q, const void *k_pool, const void *v_pool, const int64_t *table, int64_t lo,
-                     int64_t n, void *out, int64_t b, int64_t kv0, int64_t kv_count, int64_t heads, int64_t kv_heads,
-                     int64_t d, int64_t block_size, float scale, int is_bf16, const float *sinks, int64_t groups,
+                     int64_t n, void *out, int64_t b, int64_t kv0, int64_t kv_count, int64_t heads,
+                     const struct layout *lay, float scale, int is_bf16, const float *sinks, int64_t groups,
                      int64_t chunks, float *scores) {
-    attend_task(q, k_pool, v_pool, table, lo, n, out, b, kv0, kv_count, heads, kv_heads, d, block_size, scale,
-                is_bf16, sinks, groups, chunks, scores);
+    attend_task(q, k_pool, v_pool, table, lo, n, out, b, kv0, kv_count, heads, lay, scale, is_bf16, sinks, groups,
+                chunks, scores);
 }
 
 static void attend_avx512(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
                           const int64_t *positions, void *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                          int64_t d, int64_t block_size, int64_t table_width, float scale, int is_bf16,
+                          const struct layout *lay, int64_t table_width, float scale, int is_bf16,
                           const float *sinks, int64_t window) {
-    const int64_t groups = heads / kv_heads, chunks = d / LANES;
+    const int64_t groups = heads / kv_heads, chunks = lay->d / LANES, block_size = lay->block_size;
     task_fn task_body = task_any;
 #define PICK(G, C)                                                                                          \
     if (groups == G && chunks == C)                                                                         \
@@ -292,8 +299,8 @@ static void attend_avx512(const void *q, const void *k_pool, const void *v_pool,
             const int64_t b = task / per_seq, kv0 = task % per_seq * kv_per_task;
             int64_t lo;
             const int64_t n = context_range(positions[b], block_size * table_width, window, &lo);
-            task_body(q, k_pool, v_pool, tables + b * table_width, lo, n, out, b, kv0, kv_per_task, heads, kv_heads,
-                      d, block_size, scale, is_bf16, sinks, groups, chunks, scores);
+            task_body(q, k_pool, v_pool, tables + b * table_width, lo, n, out, b, kv0, kv_per_task, heads, lay, scale,
+                      is_bf16, sinks, groups, chunks, scores);
         }
         free(scores);
     }
@@ -302,9 +309,9 @@ static void attend_avx512(const void *q, const void *k_pool, const void *v_pool,
 
 static inline void attend(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
                           const int64_t *positions, void *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                          int64_t d, int64_t block_size, int64_t table_width, float scale, int is_bf16,
+                          const struct layout *lay, int64_t table_width, float scale, int is_bf16,
                           const float *sinks, int64_t window) {
-    const int64_t groups = heads / kv_heads;
+    const int64_t groups = heads / kv_heads, d = lay->d, block_size = lay->block_size;
     #pragma omp parallel for schedule(static)
     for (int64_t task = 0; task < batch * kv_heads; task++) {
         const int64_t b = task / kv_heads, kvh = task % kv_heads;
@@ -317,8 +324,8 @@ static inline void attend(const void *q, const void *k_pool, const void *v_pool,
             for (int64_t i = 0; i < d; i++)
                 qf[g * d + i] = load(q, (head0 + g) * d + i, is_bf16) * scale;
         for (int64_t s = lo; s < n; s++) {
-            const int64_t row = tables[b * table_width + s / block_size] * block_size + s % block_size;
-            const int64_t at = (row * kv_heads + kvh) * d;
+            const int64_t at = tables[b * table_width + s / block_size] * lay->block_stride
+                               + s % block_size * lay->row_stride + kvh * lay->head_stride;
             for (int64_t g = 0; g < groups; g++)
                 scores[g * n + s] = dot(qf + g * d, k_pool, at, d, is_bf16);
         }
@@ -340,8 +347,8 @@ static inline void attend(const void *q, const void *k_pool, const void *v_pool,
         }
         memset(acc, 0, sizeof(float) * (size_t)(groups * d));
         for (int64_t s = lo; s < n; s++) {
-            const int64_t row = tables[b * table_width + s / block_size] * block_size + s % block_size;
-            const int64_t at = (row * kv_heads + kvh) * d;
+            const int64_t at = tables[b * table_width + s / block_size] * lay->block_stride
+                               + s % block_size * lay->row_stride + kvh * lay->head_stride;
             for (int64_t g = 0; g < groups; g++) {
                 const float p = scores[g * n + s];
                 for (int64_t i = 0; i < d; i++)
@@ -360,22 +367,25 @@ static inline void attend(const void *q, const void *k_pool, const void *v_pool,
     }
 }
 
-/* is_bf16: q, pools and out are bf16 (else fp32); sinks: NULL or [heads] fp32; window: 0 for none */
+/* is_bf16: q, pools and out are bf16 (else fp32); strides in elements (struct layout); sinks: NULL or
+ * [heads] fp32; window: 0 for none */
 void paged_decode_attention(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
                             const int64_t *positions, void *out, int64_t batch, int64_t heads, int64_t kv_heads,
-                            int64_t d, int64_t block_size, int64_t table_width, float scale, int is_bf16,
-                            const float *sinks, int64_t window) {
+                            int64_t d, int64_t block_size, int64_t table_width, int64_t block_stride,
+                            int64_t row_stride, int64_t head_stride, float scale, int is_bf16, const float *sinks,
+                            int64_t window) {
+    const struct layout lay = {d, block_size, block_stride, row_stride, head_stride};
 #ifdef __AVX512F__
     if (heads / kv_heads <= MAX_GROUPS && d / LANES <= MAX_CHUNKS) {
-        attend_avx512(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size, table_width,
-                      scale, is_bf16, sinks, window);
+        attend_avx512(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, &lay, table_width, scale,
+                      is_bf16, sinks, window);
         return;
     }
 #endif
     if (is_bf16) /* literal flags: each call inlines a copy of attend() without the per-element branch */
-        attend(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size, table_width, scale, 1,
-               sinks, window);
+        attend(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, &lay, table_width, scale, 1, sinks,
+               window);
     else
-        attend(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, d, block_size, table_width, scale, 0,
-               sinks, window);
+        attend(q, k_pool, v_pool, tables, positions, out, batch, heads, kv_heads, &lay, table_width, scale, 0, sinks,
+               window);
 }
