@@ -332,8 +332,8 @@ class RLConfig(RunConfig):
 
     @property
     def trainer_world_size(self) -> int:
-        """Processes of the trainer: dp_replicate x dp_shard x tp (ep borrows dp_shard's ranks)."""
-        return self.parallel.dp_replicate * self.parallel.dp_shard * self.parallel.tp
+        """Processes of the trainer: dp_replicate x dp_shard x tp x pp (ep borrows dp_shard's ranks)."""
+        return self.parallel.dp_replicate * self.parallel.dp_shard * self.parallel.tp * self.parallel.pp
 
     @property
     def trainer_dp(self) -> int:
@@ -350,13 +350,11 @@ class RLConfig(RunConfig):
         require(par.dp_shard >= 1, "parallel.dp_shard",
                 f"an RL trainer's dp_shard must be given (>= 1; -1 'the rest' would take the generators' ranks), "
                 f"got {par.dp_shard}")
-        for name, why in (("pp", "the RL objective runs on the whole model in one forward, and a pipeline's "
-                                 "schedule runs the LM objective only"),
-                          ("cp", "the RL objective scores whole sequences, and context parallel shards them "
-                                 "under the LM objective only")):
-            require(getattr(par, name) == 1, f"parallel.{name}",
-                    f"the RL trainer supports dp_replicate, dp_shard, tp and ep layouts, got {name}="
-                    f"{getattr(par, name)}: {why}")
+        require(par.cp == 1, "parallel.cp",
+                f"the RL trainer supports dp_replicate, dp_shard, tp, ep and pp layouts, got cp={par.cp}: the RL "
+                "objective scores whole sequences, and context parallel shards them under the LM objective only")
+        if par.pp > 1:
+            self._check_pipeline()
         if par.ep > 1:
             require(par.ep == par.dp_shard and par.dp_replicate == 1, "parallel.ep",
                     f"the RL trainer's experts are split over ep and left out of FSDP (ep == dp_shard, "
@@ -378,6 +376,31 @@ class RLConfig(RunConfig):
             require(batch % dp == 0, "task.groups_per_step",
                     f"a step's {batch} episodes (groups_per_step x group_size) must split evenly over the "
                     f"{dp} data-parallel trainer ranks")
+
+    def _check_pipeline(self) -> None:
+        """pp > 1: the policy loss runs on the schedule's last stage (lockstep.rl.objective); what it does not cover."""
+        par = self.parallel
+        require(par.tp == 1 and par.ep == 1, "parallel.pp",
+                f"the RL trainer's pipeline runs with dp_replicate / dp_shard only (got tp={par.tp}, ep={par.ep}): the "
+                "last stage scores tokens from whole (not vocabulary-sharded) logits, and the resharding weight sync "
+                "reads a pipeline's stages without expert or tensor shards")
+        require(getattr(self.model, "vision", None) is None, "parallel.pp",
+                f"model family {self.model.family!r} has a vision tower, and pipeline stages are cut from a text "
+                "Transformer only (its own forward with images is not split), as in pretraining")
+        require(self.training.mode == "eager", "training.mode", "graph mode does not capture a pipeline schedule; use "
+                "training.mode='eager' with parallel.pp")
+        from lockstep.parallel.pipeline import stages_per_rank, validate_pipeline
+
+        n_mb = par.pp_microbatches or par.pp * stages_per_rank(par.pp_schedule)
+        share = self.task.groups_per_step * self.rollout.group_size // max(1, self.trainer_dp)
+        micro = self.training.micro_batch_size or share
+        try:
+            validate_pipeline(par.pp_schedule, par.pp, n_mb, n_layers=self.model.n_layers)
+        except ValueError as err:
+            raise ConfigError("parallel." + str(err).replace("n_microbatches:", "pp_microbatches:", 1)) from None
+        require(micro % n_mb == 0 and share % micro == 0, "parallel.pp_microbatches",
+                f"each learner micro-batch ({micro} episodes: training.micro_batch_size, or a data-parallel rank's "
+                f"share of {share}) is split into {n_mb} pipeline micro-batches of equal size; make it a multiple")
 
     def _check_seed_ranges(self) -> None:
         t = self.task
