@@ -220,6 +220,9 @@ class _LossState:
     #: ``scale / (target tokens of the whole batch)`` as a float32 0-d tensor on the batch's device:
     #: computed on the device (float64, then rounded), so preparing a step reads nothing back to the host
     factor: torch.Tensor | None = None
+    #: an objective's loss ``(logits, target) -> loss`` replacing the cross-entropy for one call (its
+    #: factor is then just the scale: the objective normalises its own loss)
+    custom: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
 
 class PipelineRunner:
@@ -288,11 +291,28 @@ class PipelineRunner:
         self._setup_shared(parts, shared_names)
 
         self._loss_state = _LossState()
-        cls = get_schedule_class(self.schedule_name)
-        stages = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
-        self.schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=self._loss_fn, scale_grads=False)
+        self._schedule_cls = get_schedule_class(self.schedule_name)
+        self._single = issubclass(self._schedule_cls, PipelineScheduleSingle)
+        self._shapes: tuple | None = None  # the (inputs, targets) shapes the schedule's stages were set up for
+        self.schedule = self._new_schedule()
+
+    def _new_schedule(self):
+        stages = self.stages[0] if self._single else self.stages
+        return self._schedule_cls(stages, n_microbatches=self.n_microbatches, loss_fn=self._loss_fn,
+                                  scale_grads=False)
+
+    def _fit_shapes(self, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """torch sets a schedule's stages up (receive buffers, shape metadata) for the first batch's shapes;
+        a batch of other shapes (RL: each step's longest sequence) gets a fresh schedule over the same
+        stages, which sets them up again (every pipeline rank sees the same shapes: the same batch)."""
+        shapes = (tuple(inputs.shape), tuple(targets.shape))
+        if self._shapes is not None and shapes != self._shapes:
+            self.schedule = self._new_schedule()
+        self._shapes = shapes
 
     def _loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self._loss_state.custom is not None:  # the objective's last-stage half (e.g. RL's policy loss)
+            return self._loss_state.custom(logits, targets) * self._loss_state.factor
         if self.tp_mesh is not None:  # this rank's vocabulary shard: loss-parallel cross-entropy
             from torch.distributed.tensor import Shard
 
@@ -301,10 +321,18 @@ class PipelineRunner:
                                 ignore_index=IGNORE_INDEX)
         return total * self._loss_state.factor
 
-    def _prepare(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> None:
+    def _prepare(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
         if inputs.shape[0] % self.n_microbatches:
             raise ValueError(f"n_microbatches: {self.n_microbatches} does not divide the batch of "
                              f"{inputs.shape[0]} sequences (micro-batches must have equal shapes)")
+        self._fit_shapes(inputs, targets)
+        self._loss_state.custom = loss_fn
+        if loss_fn is not None:  # the objective's own loss: scaled only; auxiliary losses are not part of it
+            self._loss_state.factor = torch.full((), scale, dtype=torch.float32, device=targets.device)
+            self.aux_state.factor = None
+            self.aux_state.report = StageReport()
+            return
         # the same float64 arithmetic as Python's ``scale / n_tokens`` (not ``scale * (1 / n)``), kept
         # on the device: no host synchronisation per micro-batch
         n_tokens = (targets != IGNORE_INDEX).sum()
@@ -337,25 +365,38 @@ class PipelineRunner:
         return self.aux_state.report
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor, *,
-             loss_scale: float = 1.0) -> torch.Tensor | None:
+             loss_scale: float = 1.0, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+             ) -> torch.Tensor | None:
         """Forward + backward of one batch through the pipeline; gradients accumulate into
         ``.grad`` of ``model_parts`` (``loss_scale`` multiplies them, e.g. ``1 / grad_accum``).
+        ``loss_fn(logits, target)``: another objective's loss per micro-batch on the last stage instead of
+        the cross-entropy (``targets``: any tensor split on dim 0 with the inputs, e.g. RL's packed
+        per-token values); its micro-batch losses must add up to the batch's loss, and no auxiliary loss
+        joins the gradients.
 
         Returns the batch's mean cross-entropy (unscaled) as a detached float64 0-d tensor on the
         rank(s) holding the last stage, None elsewhere (see ``broadcast_loss``). Nothing is read back
         to the host: the caller decides when to synchronise (``StepScalars.reduce``, once a step).
         """
-        self._prepare(inputs, targets, loss_scale)
-        loss = self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), inputs, targets)
+        self._prepare(inputs, targets, loss_scale, loss_fn)
+        try:
+            loss = self._run(lambda *a, **k: self.schedule.step(*a, return_outputs=False, **k), inputs, targets)
+        finally:
+            self._loss_state.custom = None
         return None if loss is None else loss / loss_scale
 
     @torch.no_grad()
-    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor, *,
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor | None:
         """Forward-only mean cross-entropy of a batch (a float64 0-d tensor on the last-stage rank;
-        None elsewhere)."""
-        self._prepare(inputs, targets, 1.0)
+        None elsewhere); ``loss_fn``: another objective's loss (as in :meth:`step`; also a way to read the
+        last stage's logits of a forward-only pass, e.g. a frozen reference's scores)."""
+        self._prepare(inputs, targets, 1.0, loss_fn)
         self.aux_state.factor = None
-        return self._run(lambda *a, **k: self.schedule.eval(*a, return_outputs=False, **k), inputs, targets)
+        try:
+            return self._run(lambda *a, **k: self.schedule.eval(*a, return_outputs=False, **k), inputs, targets)
+        finally:
+            self._loss_state.custom = None
 
     def broadcast_loss(self, loss: torch.Tensor | float | None) -> float:
         """The last stage's loss on every pipeline rank as a float (collective over the pipeline
@@ -459,9 +500,10 @@ class PipelineRunner:
         for part in self.model_parts:
             yield from part.parameters()
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The unsplit model's full state dict (FQNs as in ``Transformer``) on global rank 0, ``{}``
-        elsewhere. Collective over the whole world: every rank must call it. One rank per stage
+    def full_state_dict(self, group=None) -> dict[str, torch.Tensor]:
+        """The unsplit model's full state dict (FQNs as in ``Transformer``) on ``group``'s first rank
+        (default: the whole world's rank 0), ``{}`` elsewhere. Collective over ``group``: every rank of it
+        must call it (an RL job passes its trainer ranks' group: the generators are not in it). One rank per stage
         sends (coordinate 0 on every data-parallel and tensor-parallel dim); expert-parallel
         experts are gathered over ep first."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -487,11 +529,12 @@ class PipelineRunner:
                           for k, v in state.items()})
         if not owner:
             local = {}
-        if not dist.is_initialized() or dist.get_world_size() == 1:
+        if not dist.is_initialized() or dist.get_world_size(group) == 1:
             return local
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(local, gathered, dst=0)
-        if dist.get_rank() != 0:
+        first = dist.get_global_rank(group, 0) if group is not None else 0
+        gathered = [None] * dist.get_world_size(group) if dist.get_rank() == first else None
+        dist.gather_object(local, gathered, dst=first, group=group)
+        if dist.get_rank() != first:
             return {}
         merged: dict[str, torch.Tensor] = {}
         for part_state in gathered:

@@ -124,14 +124,34 @@ class ParallelRuntime:
     def shard_frozen(self, model: nn.Module, config: ParallelConfig) -> nn.Module:
         """A frozen companion of the trained model (e.g. RL's KL reference) placed like it: on the
         device, under the same plan (FSDP-sharded over the same mesh), in eval mode without
-        gradients; the runtime's own model, context and pipeline are left as they are. Layouts
-        that split the step (pp, cp) are refused: a companion would need a schedule of its own."""
+        gradients; the runtime's own model, context and pipeline are left as they are. With pp > 1 the
+        companion is split into the same stages, with a PipelineRunner of its own (forward-only: its
+        ``eval_loss``), returned as a ModuleList of this rank's frozen stages whose ``pipeline`` attribute
+        is that runner. Context parallel is refused: a companion would need its sequence shards."""
         from lockstep.parallel.parallelize import parallelize_dense
 
-        if self.dims.pp > 1 or self.dims.cp > 1:
-            raise ValueError("shard_frozen: a frozen companion model is not supported with pp > 1 or cp > 1")
+        if self.dims.cp > 1:
+            raise ValueError("shard_frozen: a frozen companion model is not supported with cp > 1")
+        if self.dims.pp > 1:
+            from lockstep.parallel.pipeline_parallelize import stage_parallelizer
+
+            runner = self._pipeline_runner(model, config, stage_parallelizer(self.dims, self.mesh, config, "none"))
+            frozen = nn.ModuleList(runner.model_parts).eval().requires_grad_(False)
+            frozen.pipeline = runner
+            return frozen
         model = parallelize_dense(model.to(self.device), self.dims, self.mesh, config, "none")
         return model.eval().requires_grad_(False)
+
+    def _pipeline_runner(self, model: nn.Module, config: ParallelConfig, parallelize_fn):
+        """A PipelineRunner of ``model`` over this runtime's pipeline dim, by ``config``'s schedule and split."""
+        from lockstep.parallel.pipeline import PipelineRunner
+
+        return PipelineRunner(model.to(self.device), self.mesh["pp"], schedule=config.pp_schedule,
+                              n_microbatches=config.pp_microbatches or None, parallelize_fn=parallelize_fn,
+                              device=self.device, split=config.pp_split,
+                              tp_mesh=self.mesh["tp"] if self.dims.tp > 1 else None,
+                              ep_group=self.mesh["ep"].get_group() if self.dims.ep > 1 else None,
+                              context=self.context)
 
     def parallelize(self, model: nn.Module, config: ParallelConfig,
                     activation_checkpoint: ActivationCheckpointConfig | str = "none", *,
@@ -159,20 +179,13 @@ class ParallelRuntime:
             self.model = model
             return model
         from lockstep.parallel.checkpointing import check_save_globs
-        from lockstep.parallel.pipeline import PipelineRunner
         from lockstep.parallel.pipeline_parallelize import stage_parallelizer
 
         check_save_globs(model, activation_checkpoint)  # each stage holds only some of the blocks
         parallelize_fn = stage_parallelizer(self.dims, self.mesh, config, activation_checkpoint)
         if self.dims.cp > 1:
             parallelize_fn = self._context_stages(model, config, parallelize_fn)
-        self.pipeline = PipelineRunner(model, self.mesh["pp"], schedule=config.pp_schedule,
-                                       n_microbatches=config.pp_microbatches or None,
-                                       parallelize_fn=parallelize_fn,
-                                       device=self.device, split=config.pp_split,
-                                       tp_mesh=self.mesh["tp"] if self.dims.tp > 1 else None,
-                                       ep_group=self.mesh["ep"].get_group() if self.dims.ep > 1 else None,
-                                       context=self.context)
+        self.pipeline = self._pipeline_runner(model, config, parallelize_fn)
         self.model = nn.ModuleList(self.pipeline.model_parts)
         return self.model
 
@@ -244,9 +257,11 @@ class ParallelRuntime:
         stage = timer.stage if timer is not None else (lambda name: contextlib.nullcontext())
         # a tuple of tensors goes to the device here; another batch type by its own ``to(device)``
         batch = self.to_device(*batch) if isinstance(batch, (tuple, list)) else batch.to(self.device)
-        if objective is not None and (self.pipeline is not None or self.context is not None):
-            raise ValueError(f"ParallelRuntime: objective {type(objective).__name__}: pipeline and context "
-                             f"parallel layouts run the LM objective only")
+        if objective is not None and self.context is not None:
+            raise ValueError(f"ParallelRuntime: objective {type(objective).__name__}: context parallel layouts "
+                             f"run the LM objective only")
+        if objective is not None and self.pipeline is not None:
+            return self._objective_pipeline(objective, batch, accumulate, stage, train)
         if self.pipeline is not None:
             if self.context is not None:  # cp x pp: shard the sequences, then the schedule splits micro-batches
                 batch = self.context.shard_batch(*batch)[:2]
@@ -282,6 +297,23 @@ class ParallelRuntime:
             aux = self.context.report_auxiliary(aux)
         # a detached float64 tensor on the device (None off the last stage)
         return StepLoss(local, aux, dict(report.metrics))
+
+    def _objective_pipeline(self, objective, batch, accumulate: int, stage, train: bool) -> StepLoss:
+        """Another objective through the schedule: its ``pipeline_batch(pipeline, batch) -> (inputs,
+        target)`` (the schedule splits both on dim 0), ``pipeline_loss(logits, target)`` on the last stage
+        per schedule micro-batch (losses that add up to the batch's), and ``pipeline_report(pipeline,
+        batch, loss)`` afterwards (the report; None loss off the last stage)."""
+        if not callable(getattr(objective, "pipeline_batch", None)):
+            raise ValueError(f"ParallelRuntime: objective {type(objective).__name__} has no pipeline half "
+                             f"(pipeline_batch, pipeline_loss, pipeline_report): a pipeline runs the LM objective only")
+        with self.autocast():  # a frozen companion may score first (forward-only, through its own pipeline)
+            inputs, target = objective.pipeline_batch(self.pipeline, batch)
+        with stage("forward_backward" if train else "forward"), self.autocast(), self.loss_context():
+            if train:
+                local = self.pipeline.step(inputs, target, loss_scale=1.0 / accumulate, loss_fn=objective.pipeline_loss)
+            else:
+                local = self.pipeline.eval_loss(inputs, target, loss_fn=objective.pipeline_loss)
+        return objective.pipeline_report(self.pipeline, batch, local)
 
     def scalars(self) -> StepScalars:
         """An accumulator of a step's scalars, reduced over this runtime's ranks in one collective."""
@@ -371,7 +403,7 @@ class ParallelRuntime:
         if not self.distributed:
             return {k: v.cpu() for k, v in model.state_dict().items()}
         if self.pipeline is not None:
-            return self.pipeline.full_state_dict()
+            return self.pipeline.full_state_dict(self.group)
         from lockstep.parallel.flex import flex_state
 
         if flex_state(model) is not None:

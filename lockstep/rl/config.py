@@ -398,6 +398,9 @@ class RLConfig(RunConfig):
             validate_pipeline(par.pp_schedule, par.pp, n_mb, n_layers=self.model.n_layers)
         except ValueError as err:
             raise ConfigError("parallel." + str(err).replace("n_microbatches:", "pp_microbatches:", 1)) from None
+        require(not self.sft.steps or self.sft.batch_size % n_mb == 0, "sft.batch_size",
+                f"the SFT warm-up's batch ({self.sft.batch_size}) is split into the pipeline's {n_mb} micro-batches of "
+                "equal size; make it a multiple")
         require(micro % n_mb == 0 and share % micro == 0, "parallel.pp_microbatches",
                 f"each learner micro-batch ({micro} episodes: training.micro_batch_size, or a data-parallel rank's "
                 f"share of {share}) is split into {n_mb} pipeline micro-batches of equal size; make it a multiple")

@@ -90,7 +90,8 @@ class Learner:
         of a share score it together). Without
         a runtime, a one-process one is made here (and the model moved to ``training.device``).
         ``reference`` (used when ``loss.kl_coef > 0``): the frozen KL reference, placed like the
-        policy; by default a copy of ``model`` (a sharded model cannot be copied: FSDP refuses
+        policy (``ParallelRuntime.shard_frozen``: under a pipeline, its stages with a runner of their own);
+        by default a copy of ``model`` (a sharded model cannot be copied: FSDP refuses
         ``deepcopy``, so a distributed caller copies the policy before sharding it)."""
         self.config = config
         if runtime is None:
@@ -158,7 +159,8 @@ class Learner:
                                 images=[r.images for r in recs] if any(r.images is not None for r in recs) else None)
             report = self.runtime.loss_and_backward(batch, objective=self.objective)
             trainer_logp += report.logprobs
-            scalars.add({"loss": report.loss})
+            if report.loss is not None:  # a pipeline: the last stage's ranks hold the loss and metrics
+                scalars.add({"loss": report.loss})
             weight = len(idx) / len(records)
             for k, v in report.metrics.items():  # sums over micro-batches, the others weighted means
                 scalars.add({k: v}, multiply_by=1.0 if k in ("loss/pg_loss", "loss/n_tokens") else weight)
@@ -207,11 +209,14 @@ class Learner:
         return out
 
     def _gather_logprobs(self, logp: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every data-parallel share's trainer log-probs, in share order (episode order); one tp rank's each."""
+        """Every data-parallel share's trainer log-probs, in share order (episode order); one tp rank's each
+        (under a pipeline, the last stage's rank's)."""
         import torch.distributed as dist
 
+        pipeline = self.runtime.pipeline
+        mine = self.tp_rank == 0 and (pipeline is None or pipeline.has_last_stage)
         gathered: list = [None] * self.runtime.world_size
-        dist.all_gather_object(gathered, (self.dp_rank, [t.cpu() for t in logp] if self.tp_rank == 0 else None),
+        dist.all_gather_object(gathered, (self.dp_rank, [t.cpu() for t in logp] if mine else None),
                                group=self.group)
         shares = sorted(((k, p) for k, p in gathered if p is not None), key=lambda e: e[0])
         return [t for _, part in shares for t in part]

@@ -104,11 +104,43 @@ def _placement(p: Any, name: str, ndim: int) -> tuple:
     raise ValueError(f"weight sync: {name} has placement {p!r}; resharding reads Shard and Replicate only")
 
 
+def _pipeline_parts(model: nn.Module) -> list[nn.Module] | None:
+    """A pipeline rank's stages (the ModuleList ``ParallelRuntime.parallelize`` returns under pp), else None."""
+    from lockstep.parallel.pipeline_stage import PipelineStageModule
+
+    if isinstance(model, nn.ModuleList) and len(model) and all(isinstance(p, PipelineStageModule) for p in model):
+        return list(model)
+    return None
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state by the unsplit model's names. A pipeline rank's stages keep those names; their states are
+    merged, and under a tied head the first stage's embedding copy is left out (the unsplit model's one
+    tensor goes by ``output.weight``, the first name in sorted order: the last stage's copy is read)."""
+    parts = _pipeline_parts(model)
+    if parts is None:
+        return model.state_dict(keep_vars=True)
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        out.update(part.state_dict(keep_vars=True))
+    if parts[0].config.tie_embeddings:
+        out.pop("tok_embeddings.weight", None)
+    return out
+
+
+def _stage_ranks(mesh: Any) -> list[int] | None:
+    """Under a pipeline (a ``pp`` dim, outermost), the global ranks holding this rank's stages."""
+    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):
+        return None
+    return [int(r) for r in mesh.mesh[mesh["pp"].get_local_rank()].flatten().tolist()]
+
+
 def unique_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of the state dict sorted by name, each tensor once (tied weights: the first name);
-    DTensors stay DTensors (their local shard decides what is shared)."""
+    DTensors stay DTensors (their local shard decides what is shared). A pipeline rank's stages: their
+    tensors by the unsplit model's names (:func:`_state`)."""
     seen, out = set(), []
-    for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+    for name, tensor in sorted(_state(model).items()):
         local = local_tensor(tensor)
         key = (local.untyped_storage().data_ptr(), local.storage_offset(), tuple(tensor.shape))
         if key in seen:
@@ -135,8 +167,10 @@ def _expert_tensors(model: nn.Module) -> dict[str, int]:
 def describe(model: nn.Module, ranks: list[int], mesh: Any = None) -> dict[str, TensorLayout]:
     """Where each state tensor of this side's ``model`` lives; ``ranks``: this side's global ranks (a
     plain tensor is whole on each of them). ``mesh``: the side's DeviceMesh when its experts are
-    expert-parallel (its ``ep`` dim splits them; they are whole on the other dims). Every rank of the
-    side gives the same answer."""
+    expert-parallel (its ``ep`` dim splits them; they are whole on the other dims). Under a pipeline (a
+    ``pp`` dim) each rank describes its own stages' tensors, a plain one whole on the ranks of its stage
+    (:func:`side_layout` merges the stages); otherwise every rank of the side gives the same answer."""
+    ranks = _stage_ranks(mesh) or ranks
     experts = _expert_tensors(model)
     if experts and (mesh is None or "ep" not in (mesh.mesh_dim_names or ())):
         raise ValueError("weight sync: the model's experts are expert-parallel; describe() needs the mesh with "
@@ -257,13 +291,17 @@ def exchange_layouts(mine: dict[str, TensorLayout] | None, group: Any = None) ->
 
 def side_layout(described: list[dict[str, TensorLayout] | None], ranks: list[int],
                 group_ranks: list[int]) -> dict[str, TensorLayout]:
-    """The description of the side made of global ``ranks`` (the first of them that gave one;
-    ``group_ranks``: the global rank of each entry of ``described``)."""
+    """The description of the side made of global ``ranks``: their descriptions merged, the first rank's
+    entry of a name kept (pipeline stages each describe their own tensors; other layouts' ranks give the
+    same answer); ``group_ranks``: the global rank of each entry of ``described``."""
+    merged: dict[str, TensorLayout] = {}
     for rank in ranks:
         entry = described[group_ranks.index(rank)]
-        if entry is not None:
-            return entry
-    raise ValueError(f"weight sync: none of the ranks {ranks} described its model")
+        for name, layout in (entry or {}).items():
+            merged.setdefault(name, layout)
+    if not merged:
+        raise ValueError(f"weight sync: none of the ranks {ranks} described its model")
+    return merged
 
 
 __all__ = ["Piece", "ReshardPlan", "TensorLayout", "describe", "exchange_layouts", "local_tensor", "side_layout",

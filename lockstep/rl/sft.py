@@ -47,7 +47,8 @@ def sft_warmup(model: nn.Module, env: Any, config: RLConfig, *, tokenizer: Any, 
     """Run ``config.sft.steps`` AdamW steps on reference answers; returns the losses. Every trainer
     rank of a sharded model runs the same batches (the warm-up is small). ``runtime``: the one that
     parallelized ``model`` (tensor parallel: vocabulary-parallel cross-entropy on a width a multiple of
-    tp; expert parallel: expert gradients scaled and norms summed over ep, as pretraining's step)."""
+    tp; expert parallel: expert gradients scaled and norms summed over ep, as pretraining's step; a pipeline:
+    the schedule's step with its cross-entropy, the runtime's clipping and optimizer step)."""
     sft = config.sft
     optimizer = dataclasses.replace(config.optimizer, lr=sft.lr).build(model)
     warmup = max(1, sft.steps // 10)
@@ -65,13 +66,21 @@ def sft_warmup(model: nn.Module, env: Any, config: RLConfig, *, tokenizer: Any, 
         for i, (ids, p) in enumerate(examples):
             tokens[i, : len(ids)] = torch.tensor(ids)
             targets[i, p - 1: len(ids) - 1] = torch.tensor(ids[p:])
+        max_norm = config.training.max_grad_norm or float("inf")
+        if runtime is not None and runtime.pipeline is not None:  # the schedule's cross-entropy (the same mean)
+            loss = runtime.pipeline.broadcast_loss(runtime.loss_and_backward((tokens, targets)).loss)
+            runtime.clip_gradients(max_norm)  # the shared embedding's copies summed, the norm over the stages
+            runtime.apply_step(optimizer)
+            losses.append(loss)
+            if log is not None:
+                log({"sft_step": s + 1, "sft_loss": loss})
+            continue
         with runtime.loss_context() if runtime is not None else contextlib.nullcontext():
             logits = model(tokens)
             if hasattr(model, "pop_auxiliary"):
                 model.pop_auxiliary()
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
             loss.backward()
-        max_norm = config.training.max_grad_norm or float("inf")
         if runtime is not None:
             runtime.after_backward(model)  # every ep rank ran the same batch: expert gradients summed ep times
             runtime.clip_grad_norm(model, max_norm)

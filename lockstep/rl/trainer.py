@@ -122,7 +122,8 @@ class RLTrainer:
             graph=graph_manifest(self.runtime),  # training.mode and, in graph mode, the passes
             workers={"trainer_ranks": list(range(self.layout.dp)),
                      "trainer_layout": {"dp_replicate": cfg.parallel.dp_replicate, "dp_shard": cfg.parallel.dp_shard,
-                                        "tp": cfg.parallel.tp, "ep": cfg.parallel.ep, "fsdp": cfg.trainer_dp > 1},
+                                        "tp": cfg.parallel.tp, "ep": cfg.parallel.ep, "pp": cfg.parallel.pp,
+                                        "fsdp": cfg.trainer_dp > 1},
                      "generator_ranks": [self.layout.generator_rank(g) for g in range(n)],
                      "mode": "colocated" if n == 0 else "separate processes (torchrun, torch.distributed)",
                      "backend": dist.get_backend() if dist.is_initialized() else None,

@@ -99,7 +99,7 @@ def _generator_model(config, kind, group):
     return model
 
 
-def _case(rank, world, root, name, groups, sync_groups):
+def _case(rank, world, root, name, groups, sync_groups, cases=None):
     import torch.distributed as dist
 
     from lockstep.parallel.dims import ParallelConfig
@@ -109,7 +109,7 @@ def _case(rank, world, root, name, groups, sync_groups):
     from lockstep.rl.reshard import ReshardPlan, describe, exchange_layouts, side_layout
     from lockstep.rl.reshard_transfer import ReshardReceiver, ReshardSender
 
-    family, fields, trainer, generators = CASES[name]
+    family, fields, trainer, generators = (cases or CASES)[name]
     config = _config(root, family)
     runtime = ParallelRuntime.create(ParallelConfig(**fields), ranks=trainer, device="cpu")
     out: dict = {}
