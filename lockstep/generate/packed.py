@@ -52,7 +52,7 @@ from torch import nn
 
 from lockstep import numerics
 from lockstep.config.base import ConfigError
-from lockstep.ops import decode_linear
+from lockstep.ops import decode_linear, packed_op
 
 #: handle -> the layer (weakly: a dropped engine's layers leave it and their packed copies are freed)
 _LAYERS: weakref.WeakValueDictionary[int, "PackedLinear"] = weakref.WeakValueDictionary()
@@ -136,7 +136,9 @@ class PackedLinear(numerics.SwitchableLinear):
             return torch.ops.lockstep.packed_linear(x, self._pack_handle)
         if self._pack_kernel in _C_KERNELS and x.numel() > PLAIN_ROWS * x.shape[-1]:
             return super().forward(x)  # a long prefill: the library GEMM is as fast or faster there
-        return _single_product(self, x)  # eager: skip the dispatcher round trip (211 calls a step)
+        if _CPP_KERNELS and self._pack_kernel in _C_KERNELS:
+            return torch.ops.lockstep.packed_linear(x, self._pack_handle)  # the C++ kernel: ~2 us besides the product
+        return _single_product(self, x)  # the Python kernel without the dispatcher's round trip into it
 
     @property
     def is_packed(self) -> bool:
@@ -144,6 +146,7 @@ class PackedLinear(numerics.SwitchableLinear):
 
     def drop_packed(self) -> None:
         self._packs.clear()
+        _forget(self._pack_handle)
 
 
 def _stamp(layer: PackedLinear) -> tuple:
@@ -205,11 +208,14 @@ def _packed_product(layers: list[PackedLinear], x: torch.Tensor, key: tuple) -> 
     return _run(_entry(layers, key, layers[0]._pack_kernel), x)
 
 
-# plain schemas + CPU kernels: the dispatcher calls them with ~1 us of overhead (torch.library.custom_op
-# adds ~30 us a call, 6 ms a SmolLM2 decode step)
+# plain schemas + CPU kernels (torch.library.custom_op adds ~30 us a call, 6 ms a SmolLM2 decode step).
+# The kernels are C++ (lockstep.ops.packed_op) where that library builds: they call the C kernels
+# directly and hand missing or stale packs to _packed_linear_py; else the Python kernels below serve
+# the ops (the dispatcher's trip into Python, ~6-8 us a call with the product's marshalling).
 _LIB = torch.library.Library("lockstep", "FRAGMENT")
 _LIB.define("packed_linear(Tensor x, int handle) -> Tensor")
 _LIB.define("packed_linear_cat(Tensor x, int[] handles) -> Tensor")
+_LIB.define("_packed_linear_py(Tensor x, int[] handles) -> Tensor")
 
 
 def packed_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
@@ -223,8 +229,40 @@ def packed_linear_cat(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
     return _packed_product([_LAYERS[h] for h in handles], x, tuple(handles))
 
 
-_LIB.impl("packed_linear", packed_linear, "CPU")
-_LIB.impl("packed_linear_cat", packed_linear_cat, "CPU")
+def packed_linear_py(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
+    """The C++ kernels' way back (a pack they do not hold, or one whose weights moved): the product
+    in Python, packing again where the weights moved, and a C kernel's pack handed to the C++ table."""
+    layers, key = [_LAYERS[h] for h in handles], tuple(handles)
+    entry = _entry(layers, key, layers[0]._pack_kernel)
+    if entry[3] is not None and x.dtype == entry[0].dtype:
+        sources = [t for layer in layers for t in (layer._parameters["weight"], layer._parameters["bias"])]
+        k = layers[0].in_features
+        torch.ops.lockstep._packed_register(list(key), sources, entry[0], entry[1], entry[3], k,
+                                            decode_linear.kernel_address(entry[0].dtype, entry[3], k))
+    return _run(entry, x)
+
+
+def _forget(handle: int) -> None:
+    """Drop the C++ table's packs that ``handle``'s layer is part of."""
+    if _CPP_KERNELS:
+        torch.ops.lockstep._packed_forget(handle)
+
+
+def _serve_ops() -> bool:
+    """Register the ops' CPU kernels (once, at the first :func:`pack_linears`: a cold C++ build takes
+    seconds): the C++ ones where they build, else the Python ones; whether C++ serves them."""
+    global _CPP_KERNELS, _SERVED
+    if not _SERVED:
+        _SERVED = True
+        _LIB.impl("_packed_linear_py", packed_linear_py, "CPU")
+        _CPP_KERNELS = decode_linear.available(torch.bfloat16) and packed_op.load()
+        if not _CPP_KERNELS:
+            _LIB.impl("packed_linear", packed_linear, "CPU")
+            _LIB.impl("packed_linear_cat", packed_linear_cat, "CPU")
+    return _CPP_KERNELS
+
+
+_CPP_KERNELS = _SERVED = False
 
 
 @torch.library.register_fake("lockstep::packed_linear")
@@ -287,6 +325,7 @@ def pack_linears(model: nn.Module, batch_hint: int, kernel: str = "onednn") -> l
     or "f32" (:func:`linear_kernel`). Returns the layers."""
     if kernel not in _KERNEL_DTYPE:
         raise ValueError(f"pack_linears: kernel must be one of {', '.join(_KERNEL_DTYPE)}; got {kernel!r}")
+    _serve_ops()
     layers = []
     for module in model.modules():
         # a deep copy of a packed layer (an engine's bf16 shadow of a model another engine packed)
@@ -300,6 +339,7 @@ def pack_linears(model: nn.Module, batch_hint: int, kernel: str = "onednn") -> l
             module._pack_kernel = kernel if fits or kernel == "onednn" else (None if kernel == "f32" else "onednn")
             module._packs = {}
             _LAYERS[module._pack_handle] = module
+            weakref.finalize(module, _forget, module._pack_handle).atexit = False
         if isinstance(module, PackedLinear):
             layers.append(module)
     return layers

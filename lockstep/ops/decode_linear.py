@@ -146,3 +146,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
             x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, out.data_ptr(), rows,
             out_features, k)
     return out
+
+
+def kernel_address(dtype: torch.dtype, out_features: int, in_features: int) -> int:
+    """The address of the C function :func:`linear` calls for a ``dtype [out_features, in_features]``
+    pack at the current level (what a C++ caller invokes directly, with :func:`linear`'s arguments)."""
+    return ctypes.cast(_kernel_fn(isa.level(), dtype, out_features, in_features), ctypes.c_void_p).value
