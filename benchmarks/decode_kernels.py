@@ -1,7 +1,7 @@
 """The generation engine's two decode kernels against what they replace, same process, interleaved.
 
 Usage:
-    .venv/bin/python benchmarks/decode_kernels.py [--rounds 5] [--rows 16]
+    .venv/bin/python benchmarks/decode_kernels.py [--rounds 5] [--rows 16] [--baseline REV [--only-baseline]]
     # a CPU without AMX, on one with it (lockstep's kernels and oneDNN's both capped before torch loads):
     LOCKSTEP_CPU_ISA=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 .venv/bin/python benchmarks/decode_kernels.py
 
@@ -17,13 +17,23 @@ Usage:
    contexts and running SDPA (the engine's other path). "warm": one layer's pools in cache;
    "cold": 30 layers' pools (8.5 MB each) with 256 MB written between sweeps, as a decode step
    sees them.
+3. With ``--baseline REV``: this checkout's C linears against the same files at git revision REV
+   (built with the same flags, each side packing with its own ``pack``), bf16 (the level's kernel)
+   and fp32 on the shapes of (1), at 1 and 16 rows (``--baseline-rows``): milliseconds a sweep by
+   this thread's CPU time (best and median of ``--rounds``, the two sides interleaved), the ratio
+   old / new, and whether every output is bitwise the same (``torch.equal``; a kernel whose
+   arithmetic order is unchanged must give the same bits).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -123,11 +133,85 @@ def attention(rounds: int) -> None:
         print(f"  ratio gather+SDPA / in place ({kind}): {ratio:.2f}x")
 
 
+def _baseline_fns(rev: str) -> dict[torch.dtype, tuple]:
+    """(pack, linear) of the C linears at git revision ``rev``, built as ``decode_linear`` builds this
+    checkout's (its own builders, pointed at a copy of ``rev``'s csrc/), per dtype at the current level."""
+    csrc = Path(tempfile.mkdtemp(prefix="decode-kernels-baseline-"))
+    root = Path(__file__).resolve().parents[1]
+    for name in ("bf16_linear.c", "f32_linear.c", "amx_linear.c"):
+        text = subprocess.run(["git", "show", f"{rev}:lockstep/ops/csrc/{name}"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout
+        (csrc / name).write_text(text)
+    use_amx, use_f32 = decode_linear.amx_available(), decode_linear.available(torch.float32)  # this checkout's, built
+    here, decode_linear._CSRC = decode_linear._CSRC, csrc
+    try:
+        bf16_pack, bf16_fn = decode_linear._bf16_library.__wrapped__(isa.level())
+        amx = decode_linear._amx_library.__wrapped__() if use_amx else None
+        f32 = decode_linear._f32_library.__wrapped__() if use_f32 else None
+    finally:
+        decode_linear._CSRC = here
+    found = {torch.bfloat16: (bf16_pack, amx or bf16_fn)}
+    if f32 is not None:
+        found[torch.float32] = f32
+    return found
+
+
+def baseline(rev: str, rows_list: list[int], rounds: int) -> None:
+    """This checkout's C linears vs ``rev``'s on SmolLM2's shapes (section 3 of the module docstring)."""
+    old = _baseline_fns(rev)
+    gen = torch.Generator().manual_seed(0)
+    print(f"\nC linears, this checkout vs {rev} (level {isa.level()}, {torch.get_num_threads()} threads, ms a sweep "
+          f"of every shape by thread CPU time, best / median of {rounds}):")
+    print("| dtype | kernel | rows | old ms | new ms | old / new (best) | old / new (median) | same bits |")
+    print("|---|---|---|---|---|---|---|---|")
+    for dtype, (old_pack, old_fn) in old.items():
+        weights = [(torch.randn(n, k, generator=gen) / k**0.5).to(dtype) for _, n, k, layers in SHAPES
+                   for _ in range(layers)]
+        new_packed = [decode_linear.pack(w) for w in weights]
+        old_packed = []
+        for w in weights:
+            n, k = w.shape
+            packed = torch.empty_like(new_packed[len(old_packed)])
+            old_pack(w.data_ptr(), packed.data_ptr(), n, k)
+            old_packed.append(packed)
+        for rows in rows_list:
+            xs = {k: torch.randn(rows, k, generator=gen).to(dtype) for k in {w.shape[1] for w in weights}}
+            outs = {side: [torch.empty(rows, w.shape[0], dtype=dtype) for w in weights] for side in ("old", "new")}
+
+            def old_sweep(outs=outs["old"], xs=xs):
+                for w, p, out in zip(weights, old_packed, outs):
+                    old_fn(xs[w.shape[1]].data_ptr(), p.data_ptr(), None, out.data_ptr(), rows, w.shape[0], w.shape[1])
+
+            new_fns = [decode_linear._kernel_fn(isa.level(), dtype, *w.shape) for w in weights]  # what linear() calls
+
+            def new_sweep(outs=outs["new"], xs=xs):
+                for w, p, out, fn in zip(weights, new_packed, outs, new_fns):
+                    fn(xs[w.shape[1]].data_ptr(), p.data_ptr(), None, out.data_ptr(), rows, w.shape[0], w.shape[1])
+
+            times = {"old": [], "new": []}
+            old_sweep(), new_sweep()  # warm-up
+            for i in range(rounds):  # interleaved, the order alternating
+                for side, fn in (("old", old_sweep), ("new", new_sweep))[:: 1 if i % 2 else -1]:
+                    start = time.thread_time()
+                    fn()
+                    times[side].append(time.thread_time() - start)
+            same = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"]))
+            best = {side: min(t) for side, t in times.items()}
+            med = {side: statistics.median(t) for side, t in times.items()}
+            kernel = decode_linear.kernel(dtype, 960, 576)
+            print(f"| {str(dtype).removeprefix('torch.')} | {kernel} | {rows} | {best['old'] * 1e3:.1f} | "
+                  f"{best['new'] * 1e3:.1f} | {best['old'] / best['new']:.2f}x | {med['old'] / med['new']:.2f}x | "
+                  f"{'yes' if same else 'NO'} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--baseline", default="", help="a git revision: compare its C linears with this checkout's")
+    parser.add_argument("--baseline-rows", default="1,16", help="row counts of the --baseline comparison")
+    parser.add_argument("--only-baseline", action="store_true", help="skip sections 1 and 2")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -135,8 +219,11 @@ def main() -> None:
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}, ISA level {isa.level()} (CPU {isa.detected()}), "
           f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA')}, bf16 C kernel: {decode_linear.kernel()}")
     with torch.inference_mode():
-        linears(args.rows, args.rounds)
-        attention(args.rounds)
+        if not args.only_baseline:
+            linears(args.rows, args.rounds)
+            attention(args.rounds)
+        if args.baseline:
+            baseline(args.baseline, [int(r) for r in args.baseline_rows.split(",")], args.rounds)
 
 
 if __name__ == "__main__":
