@@ -29,6 +29,14 @@ the RL weight sync) with those it was packed from and repacks when they moved; o
 sibling group (below) use the same cache. A write that moves no version counter (a collective
 writing straight into the storage) is not seen: ``Engine.sync_weights()`` repacks everything.
 
+The ops' kernels are C++ (:mod:`lockstep.ops.packed_op`; a call ~2 us besides the product, ~8 us
+through a Python kernel) where that library builds, for the C kernels' packs: they hold the weight
+and bias objects each pack was made from weakly and check their version counters and storages; a
+parameter *replaced* by a new object is seen there once the old object is freed (at once, unless
+something else holds it: then ``Engine.sync_weights()``, as for the cast copy of
+:mod:`lockstep.generate.weights`). Anything they do not hold goes to the Python kernel, which
+repacks and hands them the pack. A pack's C function is resolved at the ISA level it was packed at.
+
 The packed product is a registered op (``lockstep::packed_linear``), so ``compile_decode``
 traces it as one call and the weights need not be graph constants (unlike Inductor's freezing).
 Autograd and other devices take the ordinary linear; batch-invariant mode takes its own linear:

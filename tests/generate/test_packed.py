@@ -329,3 +329,93 @@ def test_a_copy_of_a_packed_model_is_packed_as_its_own():
     assert layer is shadow[0] and layer._pack_kernel == "bf16" and not layer._packs
     assert layer._pack_handle != model[0]._pack_handle and packed._LAYERS[layer._pack_handle] is layer
     assert pack_linears(shadow, batch_hint=4, kernel="bf16")[0]._pack_handle == layer._pack_handle  # once
+
+
+def _cpp_served() -> bool:
+    from lockstep.generate import packed
+
+    return packed._serve_ops()
+
+
+@pytest.mark.skipif(not decode_linear.available(), reason="no C compiler: the C kernels' packs do not exist")
+def test_cpp_kernels_give_the_python_kernels_bits_and_follow_the_weights():
+    """Where the C++ op library builds it serves the ops: the Python kernel's very bits (it calls the
+    same C function) at every level this CPU runs and in fp32, for one layer and a sibling group, any
+    row count and layout; its table follows in-place writes, ``.data =``, a replaced (and freed)
+    parameter, ``drop_packed`` and collected layers."""
+    import gc
+
+    from lockstep.generate import packed
+
+    if not _cpp_served():
+        pytest.skip("the C++ op library did not build here")
+    entries = torch.ops.lockstep._packed_entries
+    cases = [(level, torch.bfloat16) for level in isa.runnable()]
+    cases += [(isa.level(), torch.float32)] if decode_linear.available(torch.float32) else []
+    for level, dtype in cases:
+        with isa.forced(level), torch.no_grad():
+            torch.manual_seed(0)
+            kernel = "f32" if dtype == torch.float32 else "bf16"
+            q, k, v = (nn.Linear(64, n, bias=b).to(dtype) for n, b in ((64, True), (32, False), (48, True)))
+            pack_linears(nn.ModuleList([q, k, v]), batch_hint=16, kernel=kernel)
+            group = [q._pack_handle, k._pack_handle, v._pack_handle]
+            before = entries()
+            for x in (torch.randn(1, 64), torch.randn(16, 64), torch.randn(2, 5, 64), torch.randn(64, 3).t()):
+                x = x.to(dtype)
+                for layer in (q, k, v):
+                    got = torch.ops.lockstep.packed_linear(x, layer._pack_handle)
+                    assert torch.equal(got, packed.packed_linear(x, layer._pack_handle)), (level, dtype)
+                    assert torch.equal(layer(x), got)  # the eager forward takes the op too
+                cat = torch.ops.lockstep.packed_linear_cat(x, group)
+                assert torch.equal(cat, packed.packed_linear_cat(x, group))
+            assert entries() == before + 4  # three layers and the group, registered once
+            x = torch.randn(4, 64).to(dtype)
+            for write in (lambda: q.weight.mul_(-1), lambda: q.bias.add_(1),
+                          lambda: setattr(q.weight, "data", torch.randn(64, 64).to(dtype)),
+                          lambda: setattr(q, "weight", nn.Parameter(torch.randn(64, 64).to(dtype)))):
+                write()
+                assert torch.equal(q(x), _expected(q, x, "bf16" if dtype == torch.bfloat16 else "f32"))
+                cat = torch.ops.lockstep.packed_linear_cat(x, group)
+                assert torch.equal(cat[:, :64], q(x)) and torch.equal(cat[:, 64:96], k(x))
+            q.drop_packed()  # forgets q's entry and the group's
+            assert entries() == before + 2
+            del k
+            gc.collect()
+            assert entries() == before + 1
+            del q, v, layer
+            gc.collect()
+            assert entries() == before
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not decode_linear.available(), reason="no C compiler: the C kernels' packs do not exist")
+def test_python_kernels_serve_the_ops_without_the_cpp_library():
+    """``$LOCKSTEP_NO_CPP_OPS``: the ops run their Python kernels, with the same bits (a fresh process:
+    the kernels are registered once per process)."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from torch import nn
+from lockstep.generate import packed
+from lockstep.ops import decode_linear
+torch.manual_seed(0)
+a, b = nn.Linear(64, 32).to(torch.bfloat16), nn.Linear(64, 16, bias=False).to(torch.bfloat16)
+packed.pack_linears(nn.ModuleList([a, b]), batch_hint=4, kernel="bf16")
+assert not packed._CPP_KERNELS
+x = torch.randn(3, 64).to(torch.bfloat16)
+with torch.no_grad():
+    want = decode_linear.linear(x, decode_linear.pack(a.weight), 32, a.bias.float())
+    assert torch.equal(torch.ops.lockstep.packed_linear(x, a._pack_handle), want) and torch.equal(a(x), want)
+    cat = torch.ops.lockstep.packed_linear_cat(x, [a._pack_handle, b._pack_handle])
+    assert torch.equal(cat[:, :32], want) and torch.equal(cat[:, 32:], b(x))
+    a.weight.mul_(2)
+    assert torch.equal(a(x), decode_linear.linear(x, decode_linear.pack(a.weight), 32, a.bias.float()))
+print("ok")
+"""
+    import os
+
+    env = {**os.environ, "LOCKSTEP_NO_CPP_OPS": "1"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr[-3000:]
