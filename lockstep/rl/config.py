@@ -369,9 +369,9 @@ class RLConfig(RunConfig):
                 "'continue' drops a lost generator from a broadcast weight sync (workers.weight_sync='gather', one "
                 "trainer process, one-process generators); the resharding sync stops the run instead (use 'stop')")
         if world > 1:
-            require(self.workers.generators >= 1, "parallel.dp_shard" if dp > 1 else "parallel.tp",
-                    "colocated generation (workers.generators=0) runs on one unsharded trainer process; give "
-                    "generator processes or set dp_shard=dp_replicate=tp=1")
+            require(self.workers.generators >= 1, "parallel.dp_shard" if dp > 1 else "parallel.pp" if par.pp > 1
+                    else "parallel.tp", "colocated generation (workers.generators=0) runs on one unsharded trainer "
+                    "process; give generator processes or set dp_shard=dp_replicate=tp=pp=1")
             batch = self.task.groups_per_step * self.rollout.group_size
             require(batch % dp == 0, "task.groups_per_step",
                     f"a step's {batch} episodes (groups_per_step x group_size) must split evenly over the "

@@ -95,6 +95,9 @@ def test_pipeline_trainer_steps_match_one_process_and_sync_bitwise(pipeline_trai
     (["--parallel.pp", "2", "--sft.steps", "1", "--sft.batch-size", "3"], "sft.batch_size: the SFT warm-up's batch"),
     (["--parallel.pp", "2", "--training.mode", "graph"], "training.mode: graph mode does not capture a pipeline"),
     (["--parallel.pp", "3"], "parallel.pp: 2 layers cannot be split into 3 pipeline stages"),
+    (["--parallel.pp", "2", "--workers.generators", "0"], "parallel.pp: colocated generation"),
+    (["--recipe", "rl-qwen3-vl-shapes", "--parallel.pp", "2", "--workers.generators", "1"],
+     "parallel.pp: model family 'qwen3_vl' has a vision tower"),
 ])
 def test_pipeline_trainer_refusals_name_the_field(tmp_path, flags, message):
     with pytest.raises(ConfigError, match=message):
