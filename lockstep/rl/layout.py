@@ -4,8 +4,9 @@ Ranks ``0 .. T-1`` are the trainer (``T = parallel.dp_replicate x parallel.dp_sh
 parallel.pp``): a :class:`~lockstep.parallel.runtime.ParallelRuntime` over those ranks only (its own
 DeviceMesh and group; FSDP2/HSDP, TP, EP and pipeline stages over them by the same plan pretraining
 uses). Then come the ``N`` generators, each a group of ``G = workers.generator_parallel`` tp x ep
-processes: generator ``g`` is ranks ``T + g G .. T + (g + 1) G - 1``, its first rank the group's *head* (the only one that talks to the
-trainer about rollouts and liveness; all ranks of the group run the engine). Groups (every rank
+processes: generator ``g`` is ranks ``T + g G .. T + (g + 1) G - 1``, its first rank the group's *head*
+(the only one that talks to the trainer about rollouts and liveness; all ranks of the group run the
+engine). Groups (every rank
 creates every group, in the same order, as ``new_group`` requires):
 
 - the runtime's group (``trainer_group``): the trainer ranks (a step's episodes are broadcast to
