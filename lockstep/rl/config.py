@@ -380,10 +380,9 @@ class RLConfig(RunConfig):
     def _check_pipeline(self) -> None:
         """pp > 1: the policy loss runs on the schedule's last stage (lockstep.rl.objective); what it does not cover."""
         par = self.parallel
-        require(par.tp == 1 and par.ep == 1, "parallel.pp",
-                f"the RL trainer's pipeline runs with dp_replicate / dp_shard only (got tp={par.tp}, ep={par.ep}): the "
-                "last stage scores tokens from whole (not vocabulary-sharded) logits, and the resharding weight sync "
-                "reads a pipeline's stages without expert or tensor shards")
+        require(par.ep == 1, "parallel.pp",
+                f"the RL trainer's pipeline runs with dp_replicate, dp_shard and tp (got ep={par.ep}): the resharding "
+                "weight sync describes expert-parallel experts over the whole trainer mesh, not a stage's ranks")
         require(getattr(self.model, "vision", None) is None, "parallel.pp",
                 f"model family {self.model.family!r} has a vision tower, and pipeline stages are cut from a text "
                 "Transformer only (its own forward with images is not split), as in pretraining")

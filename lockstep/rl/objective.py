@@ -22,6 +22,7 @@ the one-forward path reports. The frozen reference runs forward-only through its
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch
@@ -94,6 +95,7 @@ class PolicyObjective:
         self._normaliser: float | None = None
         self._pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._last_ref: torch.Tensor | None = None
+        self._tp_mesh = None  # a tensor-parallel pipeline's tp mesh (the last stage's logits are vocabulary shards)
 
     def _score(self, model: nn.Module, batch: PolicyBatch, full_forward: bool) -> list[torch.Tensor]:
         out = score_logprobs(model, batch.sequences, batch.prompt_lengths, temperature=batch.temperatures,
@@ -128,11 +130,13 @@ class PolicyObjective:
         """``(tokens [B, W], target [B, W, k])`` for ``pipeline``'s schedule (collective over the pipeline
         when a reference scores first). Position ``j`` of row ``i`` predicts token ``j + 1``: response token
         ``r`` is predicted at ``prompt_len - 1 + r``. ``W``: the longest sequence rounded up to a multiple
-        of 16 (right padding changes no earlier position; fewer shapes, fewer schedule set-ups)."""
+        of 16 and of tp (right padding changes no earlier position; fewer shapes, fewer schedule set-ups;
+        sequence parallelism splits it evenly)."""
         if batch.images is not None:
             raise ValueError("PolicyObjective: image batches do not run through a pipeline (parallel.pp > 1)")
         ids = [[int(t) for t in seq] for seq in batch.sequences]
-        rows, width = len(ids), -(-max(len(s) for s in ids) // 16) * 16
+        multiple = math.lcm(16, self.tp)
+        rows, width = len(ids), -(-max(len(s) for s in ids) // multiple) * multiple
         tokens = torch.zeros(rows, width, dtype=torch.long)
         target = torch.zeros(rows, width, _CHANNELS, dtype=torch.float32)
         mask, gen = batch.mask.detach().cpu().float(), batch.generator_logp.detach().cpu().float()
@@ -148,7 +152,7 @@ class PolicyObjective:
         target[..., _KEEP] = batch.keep.detach().cpu().float()[:, None]
         device = batch.mask.device
         tokens, target = tokens.to(device), target.to(device)
-        self._normaliser, self._pieces = batch.normaliser, []
+        self._normaliser, self._pieces, self._tp_mesh = batch.normaliser, [], pipeline.tp_mesh
         if self.reference is not None:
             reference = self.reference.pipeline
             reference.eval_loss(tokens, target, loss_fn=self._reference_scores)
@@ -160,6 +164,10 @@ class PolicyObjective:
 
     def _scores(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The log-probabilities ``[b, W]`` of one schedule micro-batch's next tokens (kept, by row)."""
+        if self._tp_mesh is not None:  # the last stage's vocabulary shard: gathered whole (differentiable)
+            from torch.distributed.tensor import DTensor, Shard
+
+            logits = DTensor.from_local(logits, self._tp_mesh, [Shard(-1)], run_check=False).full_tensor()
         logp = token_logprobs(logits, target[..., _ID].long(), target[..., _TEMP])
         self._pieces.append((target[:, 0, _ROW].long(), logp.detach()))
         return logp
