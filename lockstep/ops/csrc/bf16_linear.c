@@ -31,9 +31,9 @@
  * kernel before them (compared on SmolLM2's shapes: benchmarks/decode_kernels.py --baseline). Neither
  * gives oneDNN's or the AMX kernel's bits (other summation orders).
  *
- * Loop order: threads (torch's OpenMP runtime) take work items of up to 48 rows x 3 column blocks;
- * an item walks K in chunks of 32 pair rows, every register block of up to 8 rows x 3 column blocks
- * (24 accumulators) over one chunk before the next (the running sums parked in memory between
+ * Loop order: threads (torch's OpenMP runtime) take work items of up to 48 rows x 3 column blocks
+ * (plain C: 4); an item walks K in chunks of 32 pair rows (plain C: K whole), every register block of up to 8 rows x 3
+ * column blocks (24 accumulators; plain C: 6 x 4) over one chunk before the next (the running sums parked in memory between
  * chunks: exact), so the chunk's weights (6 KB) come from memory once and from L1 for the other row
  * blocks, and the first row block prefetches each block's stream 2 KB ahead.
  */
@@ -42,10 +42,17 @@
 #include <string.h>
 #include <omp.h>
 
-#define RB 8        /* rows per register block */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define AVX512_PATH
+#define RB 8        /* rows per register block (32 zmm registers: 24 accumulators, 6 widened weights) */
 #define CB 3        /* column blocks of 16 per register block and per work item */
-#define M_ITEM 48   /* rows per work item */
 #define K_CHUNK 32  /* pair rows per chunk */
+#else
+#define RB 6        /* the plain C path: 6 x 4 (its speed at 1 row: ~1.2x that of 8 x 3), */
+#define CB 4
+#define K_CHUNK ((int64_t)1 << 40) /* and K whole (it is compute-bound: chunks only cost it) */
+#endif
+#define M_ITEM 48   /* rows per work item */
 #define PREFETCH 2048 /* bytes ahead in each column block's stream */
 
 static inline int64_t pair_rows(int64_t k) { return (k + 31) / 32 * 16; }
@@ -92,7 +99,7 @@ static inline uint16_t round_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef AVX512_PATH
 #include <immintrin.h>
 
 /* R rows x C column blocks over pair rows [p0, p1) as fp32 FMAs (MXCSR DAZ|FTZ: csr_enter): the sums start at 0
@@ -192,7 +199,7 @@ static inline __attribute__((always_inline)) void block(const int R, const int C
 }
 #endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef AVX512_PATH
 /* DAZ (bit 6) and FTZ (bit 15) for this thread's FMAs, vdpbf16ps's rules; returns the caller's MXCSR (csr_leave) */
 static inline unsigned csr_enter(void) {
     const unsigned csr = _mm_getcsr();
@@ -213,14 +220,18 @@ static inline void csr_leave(unsigned csr) { (void)csr; }
         switch (c) {                                                                                   \
             case 1: CALL(R, 1); break;                                                                 \
             case 2: CALL(R, 2); break;                                                                 \
-            default: CALL(R, 3); break;                                                                \
+            case 3: CALL(R, 3); break;                                                                 \
+            default: CALL(R, CB); break;                                                               \
         }                                                                                              \
         break;
 
 static void dispatch(int r, int c, int pre, const uint16_t *x, const uint16_t *w, const float *bias, uint16_t *out,
                      int64_t n, int64_t k, int64_t col0, int cols, int64_t p0, int64_t p1, float *keep, unsigned csr) {
     switch (r) {
-        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+        ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6)
+#if RB == 8
+        ROWS_CASE(7) ROWS_CASE(8)
+#endif
     }
 }
 
