@@ -2,7 +2,10 @@
 
 Every layer owns one pool tensor per cached quantity, ``[num_blocks + 1, block_size, ...]``:
 
-* grouped-query attention: keys and values, ``[.., block_size, n_kv_heads, head_dim]`` each;
+* grouped-query attention: keys and values, ``[.., block_size, n_kv_heads, head_dim]`` each, views of
+  head-major storage ``[n_kv_heads, num_blocks + 1, block_size, head_dim]`` (:func:`head_major_pool`):
+  a kv head's rows of a sequence's consecutive blocks are one contiguous run, which the paged decode
+  kernel reads per (sequence, kv head) and the hardware prefetcher follows;
 * multi-head latent attention (DeepSeek-V3): one latent, ``[.., block_size, kv_lora_rank +
   qk_rope_head_dim]`` (the normalised ``c_kv`` and the rotated shared ``k_pe``), never full K/V;
   DeepSeek-V3.2's sparse indexer adds its keys beside it, ``[.., block_size, index_head_dim]``
@@ -151,6 +154,13 @@ def window_tables(rings: torch.Tensor, latest: torch.Tensor, n_blocks: int, bloc
     return torch.where(live, ring, 0)
 
 
+def head_major_pool(blocks: int, block_size: int, heads: int, dim: int, dtype: torch.dtype,
+                    device: torch.device | str) -> torch.Tensor:
+    """Zeros stored ``[heads, blocks, block_size, dim]``, returned as the ``[blocks, block_size, heads, dim]``
+    view every reader indexes (slot ``block * block_size + row`` stays one index: block and row merge)."""
+    return torch.zeros(heads, blocks, block_size, dim, dtype=dtype, device=device).permute(1, 2, 0, 3)
+
+
 class BlockAllocator:
     """Free list of block ids 1..num_blocks (0 is the null block)."""
 
@@ -185,15 +195,20 @@ class LayerCache:
 
     def _store(self, pool: torch.Tensor, new: torch.Tensor) -> None:
         """Write ``new [B, T, ...]`` at the step's slots."""
-        flat = pool.view(-1, *pool.shape[2:])
-        flat.index_copy_(0, self._slots_and_tables()[0], new.reshape(-1, *pool.shape[2:]).to(pool.dtype))
+        new = new.reshape(-1, *pool.shape[2:]).to(pool.dtype)
+        if self.layout.kind == "kv":
+            # a head-major view: indexed by (block, row), which a compiled step writes in place (an
+            # index_copy_ through the flattened view made Inductor copy the whole pool back every call)
+            pool[self.owner.slot_rows(bool(self.layout.window))] = new
+        else:
+            pool.view(-1, *pool.shape[2:]).index_copy_(0, self._slots_and_tables()[0], new)
 
     def _store_and_gather(self, pool: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
         """Write ``new [B, T, ...]`` at the step's slots; return the contexts ``[B, S, ...]``."""
         self._store(pool, new)
         tables = self._slots_and_tables()[1]
         b, n_blocks = tables.shape
-        return pool.index_select(0, tables.reshape(-1)).view(b, n_blocks * pool.shape[1], *pool.shape[2:])
+        return pool.index_select(0, tables.reshape(-1)).reshape(b, n_blocks * pool.shape[1], *pool.shape[2:])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
                scale: float | None = None, **sink_window: Any) -> torch.Tensor:
@@ -272,6 +287,7 @@ class PagedKVCache:
         self.in_place_decode = bool(self.paged)
         self.allocator = BlockAllocator(num_blocks)
         self.meta: StepMetadata | None = None
+        self._slot_rows: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
         self._layers: dict[str, LayerCache] = {}
         for name, lay in layouts.items():
             shape = ((window_blocks if lay.window else num_blocks) + 1, block_size)
@@ -283,8 +299,8 @@ class PagedKVCache:
                 self._layers[name] = LayerCache(self, lay, pools)
                 continue
             if lay.kind == "kv":
-                pools = (torch.zeros(*shape, lay.heads, lay.key_dim, dtype=dtype, device=device),
-                         torch.zeros(*shape, lay.heads, lay.value_dim, dtype=dtype, device=device))
+                pools = (head_major_pool(*shape, lay.heads, lay.key_dim, dtype, device),
+                         head_major_pool(*shape, lay.heads, lay.value_dim, dtype, device))
             else:
                 pools = (torch.zeros(*shape, lay.key_dim, dtype=dtype, device=device),)
             if lay.index_dim:  # DeepSeek-V3.2: the indexer's keys beside the latent
@@ -322,4 +338,14 @@ class PagedKVCache:
         return self._layers[name]
 
     def set_step(self, meta: StepMetadata) -> None:
+        """Take the step's metadata; also split its slots into the ``(block, row)`` index pairs that the
+        head-major pools are written through (:meth:`slot_rows`), here, outside any compiled region."""
         self.meta = meta
+        self._slot_rows = {False: (meta.slot_mapping // self.block_size, meta.slot_mapping % self.block_size)}
+        if meta.window_slot_mapping is not None:
+            slots = meta.window_slot_mapping
+            self._slot_rows[True] = (slots // self.block_size, slots % self.block_size)
+
+    def slot_rows(self, window: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's slots as ``(block, row)`` index tensors (the sliding-window layers' with ``window``)."""
+        return self._slot_rows[window]
