@@ -378,11 +378,9 @@ class RLConfig(RunConfig):
                     f"{dp} data-parallel trainer ranks")
 
     def _check_pipeline(self) -> None:
-        """pp > 1: the policy loss runs on the schedule's last stage (lockstep.rl.objective); what it does not cover."""
+        """pp > 1 (with any of the trainer's other layouts): the policy loss runs on the schedule's last stage
+        (lockstep.rl.objective); what it does not cover."""
         par = self.parallel
-        require(par.ep == 1, "parallel.pp",
-                f"the RL trainer's pipeline runs with dp_replicate, dp_shard and tp (got ep={par.ep}): the resharding "
-                "weight sync describes expert-parallel experts over the whole trainer mesh, not a stage's ranks")
         require(getattr(self.model, "vision", None) is None, "parallel.pp",
                 f"model family {self.model.family!r} has a vision tower, and pipeline stages are cut from a text "
                 "Transformer only (its own forward with images is not split), as in pretraining")

@@ -128,11 +128,15 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _stage_ranks(mesh: Any) -> list[int] | None:
-    """Under a pipeline (a ``pp`` dim, outermost), the global ranks holding this rank's stages."""
-    if mesh is None or "pp" not in (mesh.mesh_dim_names or ()):
+def _stage_mesh(mesh: Any) -> tuple[Any, list[int]] | None:
+    """Under a pipeline (a ``pp`` dim, outermost): the mesh of this rank's stages (the other dims; None
+    when pp is the only one) and the global ranks holding them; None without a pipeline."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "pp" not in names:
         return None
-    return [int(r) for r in mesh.mesh[mesh["pp"].get_local_rank()].flatten().tolist()]
+    ranks = [int(r) for r in mesh.mesh[mesh["pp"].get_local_rank()].flatten().tolist()]
+    rest = tuple(n for n in names if n != "pp")
+    return (mesh[rest] if rest else None), ranks
 
 
 def unique_state(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -160,8 +164,9 @@ def _expert_tensors(model: nn.Module) -> dict[str, int]:
     """State name -> E (the global expert count) of each tensor an ExpertParallelExperts holds a slice of."""
     from lockstep.parallel.expert import ExpertParallelExperts, expert_tensor_names
 
-    return {f"{prefix}.{n}": m.n_global_experts for prefix, m in model.named_modules()
-            if isinstance(m, ExpertParallelExperts) for n in expert_tensor_names(m)}
+    return {f"{prefix}.{n}": m.n_global_experts for part in _pipeline_parts(model) or [model]
+            for prefix, m in part.named_modules() if isinstance(m, ExpertParallelExperts)
+            for n in expert_tensor_names(m)}
 
 
 def describe(model: nn.Module, ranks: list[int], mesh: Any = None) -> dict[str, TensorLayout]:
@@ -170,7 +175,9 @@ def describe(model: nn.Module, ranks: list[int], mesh: Any = None) -> dict[str, 
     expert-parallel (its ``ep`` dim splits them; they are whole on the other dims). Under a pipeline (a
     ``pp`` dim) each rank describes its own stages' tensors, a plain one whole on the ranks of its stage
     (:func:`side_layout` merges the stages); otherwise every rank of the side gives the same answer."""
-    ranks = _stage_ranks(mesh) or ranks
+    stage = _stage_mesh(mesh)
+    if stage is not None:  # a pipeline: this rank's stages, on the ranks (and dims) of its pp index
+        mesh, ranks = stage
     experts = _expert_tensors(model)
     if experts and (mesh is None or "ep" not in (mesh.mesh_dim_names or ())):
         raise ValueError("weight sync: the model's experts are expert-parallel; describe() needs the mesh with "

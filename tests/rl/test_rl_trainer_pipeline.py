@@ -1,4 +1,4 @@
-"""The RL trainer on a pipeline (``parallel.pp``, alone, with ``dp_shard`` and with ``tp``): the SFT warm-up and the learner's
+"""The RL trainer on a pipeline (``parallel.pp``, alone, with ``dp_shard``, ``tp`` and ``ep``): the SFT warm-up and the learner's
 steps on fixed episodes equal one process's within fp32 rounding, with the policy loss on the schedule's last stage
 and the KL reference forward-only through a pipeline of its own; each weights version reaches one-process and TP-2
 generators bit-exactly through the resharding sync (every stage's ranks send their own layers). One spawn of 4
@@ -25,6 +25,8 @@ CASES = {
     "pp2xdp2": ("llama3", {"pp": 2, "dp_shard": 2}, [0, 1, 2, 3], []),
     # each stage tensor-parallel: the last stage's vocabulary-sharded logits gathered before scoring
     "pp2xtp2": ("llama3", {"pp": 2, "tp": 2, "dp_shard": 1}, [0, 1, 2, 3], []),
+    # each stage's experts split over ep (outside FSDP), the shared embedding of a tied head
+    "pp2xep2": ("qwen3_moe", {"pp": 2, "ep": 2, "dp_shard": 2}, [0, 1, 2, 3], []),
 }
 STEPS = 2
 
@@ -92,8 +94,6 @@ def test_pipeline_trainer_steps_match_one_process_and_sync_bitwise(pipeline_trai
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--parallel.pp", "2", "--parallel.ep", "2", "--parallel.dp-shard", "2"],
-     "parallel.pp: the RL trainer's pipeline runs with dp_replicate, dp_shard and tp"),
     (["--parallel.pp", "2", "--parallel.pp-microbatches", "3"], "parallel.pp_microbatches: each learner micro-batch"),
     (["--parallel.pp", "2", "--sft.steps", "1", "--sft.batch-size", "3"], "sft.batch_size: the SFT warm-up's batch"),
     (["--parallel.pp", "2", "--training.mode", "graph"], "training.mode: graph mode does not capture a pipeline"),
