@@ -30,13 +30,15 @@ from torch import nn
 
 from lockstep.generate.sampling import token_logprobs
 from lockstep.rl.losses import PolicyLoss
-from lockstep.rl.scoring import score_logprobs
+from lockstep.rl.scoring import check_sequences, score_logprobs
 from lockstep.run.step import StepLoss
 
 
 #: channels of the packed per-position target of a pipeline step (``PolicyObjective.pipeline_batch``)
 _ID, _MASK, _GEN, _ADV, _TEMP, _ROW, _KEEP, _REF = range(8)
 _CHANNELS = 8
+#: float32 holds every integer up to 2 ** 24 exactly (the token ids of the target)
+_EXACT_IDS = 2 ** 24
 
 
 def pad_rows(rows: Sequence[torch.Tensor], width: int) -> torch.Tensor:
@@ -134,7 +136,14 @@ class PolicyObjective:
         sequence parallelism splits it evenly)."""
         if batch.images is not None:
             raise ValueError("PolicyObjective: image batches do not run through a pipeline (parallel.pp > 1)")
-        ids = [[int(t) for t in seq] for seq in batch.sequences]
+        if self.reference is not None and getattr(self.reference, "pipeline", None) is None:
+            raise ValueError("PolicyObjective: a pipelined policy's KL reference must be split like it "
+                             "(ParallelRuntime.shard_frozen)")
+        config = pipeline.model_parts[0].config
+        if config.vocab_size > _EXACT_IDS:
+            raise ValueError(f"PolicyObjective: token ids travel in a float32 target, exact below {_EXACT_IDS}; "
+                             f"vocab_size is {config.vocab_size}")
+        ids, _, temps = check_sequences(batch.sequences, batch.prompt_lengths, batch.temperatures, config.vocab_size)
         multiple = math.lcm(16, self.tp)
         rows, width = len(ids), -(-max(len(s) for s in ids) // multiple) * multiple
         tokens = torch.zeros(rows, width, dtype=torch.long)
@@ -147,7 +156,7 @@ class PolicyObjective:
             target[i, p - 1:p - 1 + n, _MASK] = mask[i, :n]
             target[i, p - 1:p - 1 + n, _GEN] = gen[i, :n]
         target[..., _ADV] = batch.advantages.detach().cpu().float()[:, None]
-        target[..., _TEMP] = torch.tensor(batch.temperatures, dtype=torch.float32)[:, None]
+        target[..., _TEMP] = torch.tensor(temps, dtype=torch.float32)[:, None]
         target[..., _ROW] = torch.arange(rows, dtype=torch.float32)[:, None]
         target[..., _KEEP] = batch.keep.detach().cpu().float()[:, None]
         device = batch.mask.device

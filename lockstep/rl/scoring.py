@@ -62,6 +62,32 @@ def _image_batch(model: nn.Module, ids: list[list[int]], images: Sequence[Sequen
     return {"pixel_values": torch.cat(pixels), "grid_thw": torch.cat(grids)}
 
 
+def check_sequences(sequences: Sequence[Sequence[int] | torch.Tensor], prompt_lengths: Sequence[int],
+                    temperature: float | Sequence[float], vocab_size: int
+                    ) -> tuple[list[list[int]], list[int], list[float]]:
+    """``(token ids, prompt lengths, temperatures)`` as lists, checked (a ConfigError naming what is wrong):
+    a prompt length in ``[1, len]``, ids inside the vocabulary, one temperature > 0 per sequence. Shared by
+    ``score_logprobs`` and a pipeline's scoring (``PolicyObjective.pipeline_batch``)."""
+    ids = [_as_ids(s) for s in sequences]
+    lengths = [int(p) for p in prompt_lengths]
+    if len(ids) != len(lengths):
+        raise ConfigError(f"score_logprobs: {len(ids)} sequences but {len(lengths)} prompt_lengths")
+    if not ids:
+        return [], [], []
+    temps = [float(temperature)] * len(ids) if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
+    if len(temps) != len(ids):
+        raise ConfigError(f"score_logprobs: temperature: {len(temps)} values for {len(ids)} sequences")
+    for i, (seq, p, t) in enumerate(zip(ids, lengths, temps)):
+        if not 1 <= p <= len(seq):
+            raise ConfigError(f"score_logprobs: prompt_lengths[{i}]: {p} is outside [1, {len(seq)}] "
+                              f"(sequence {i} has {len(seq)} tokens)")
+        if any(not 0 <= tok < vocab_size for tok in seq):
+            raise ConfigError(f"score_logprobs: sequences[{i}] has token ids outside the vocabulary [0, {vocab_size})")
+        if t <= 0:
+            raise ConfigError(f"score_logprobs: temperature: must be > 0, got {t} (use 1 for greedy)")
+    return ids, lengths, temps
+
+
 def score_logprobs(model: nn.Module, sequences: Sequence[Sequence[int] | torch.Tensor],
                    prompt_lengths: Sequence[int], *, temperature: float | Sequence[float] = 1.0,
                    full_forward: bool = False, images: Sequence[SequenceImages] | None = None,
@@ -79,24 +105,9 @@ def score_logprobs(model: nn.Module, sequences: Sequence[Sequence[int] | torch.T
     ``pad_to``: the padded width is a multiple of it (sequence parallelism splits the sequence evenly over
     the tp ranks; padding on the right changes no earlier position's logits).
     """
-    ids = [_as_ids(s) for s in sequences]
-    lengths = [int(p) for p in prompt_lengths]
-    if len(ids) != len(lengths):
-        raise ConfigError(f"score_logprobs: {len(ids)} sequences but {len(lengths)} prompt_lengths")
+    ids, lengths, temps = check_sequences(sequences, prompt_lengths, temperature, model.config.vocab_size)
     if not ids:
         return []
-    temps = [float(temperature)] * len(ids) if isinstance(temperature, (int, float)) else [float(t) for t in temperature]
-    if len(temps) != len(ids):
-        raise ConfigError(f"score_logprobs: temperature: {len(temps)} values for {len(ids)} sequences")
-    vocab = model.config.vocab_size
-    for i, (seq, p, t) in enumerate(zip(ids, lengths, temps)):
-        if not 1 <= p <= len(seq):
-            raise ConfigError(f"score_logprobs: prompt_lengths[{i}]: {p} is outside [1, {len(seq)}] "
-                              f"(sequence {i} has {len(seq)} tokens)")
-        if any(not 0 <= tok < vocab for tok in seq):
-            raise ConfigError(f"score_logprobs: sequences[{i}] has token ids outside the vocabulary [0, {vocab})")
-        if t <= 0:
-            raise ConfigError(f"score_logprobs: temperature: must be > 0, got {t} (use 1 for greedy)")
     numerics.prepare_model(model)
     device = model.tok_embeddings.weight.device
     width = -(-max(len(s) for s in ids) // pad_to) * pad_to

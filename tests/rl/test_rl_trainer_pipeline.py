@@ -107,6 +107,21 @@ def test_pipeline_trainer_refusals_name_the_field(tmp_path, flags, message):
         debug_config(tmp_path, *flags)
 
 
+@pytest.mark.parametrize("sequences, prompts, temperature, message", [
+    ([[1, 2, 3]], [0], 1.0, r"prompt_lengths\[0\]: 0 is outside \[1, 3\]"),
+    ([[1, 2, 300]], [1], 1.0, r"sequences\[0\] has token ids outside the vocabulary \[0, 256\)"),
+    ([[1, 2, 3]], [1], [1.0, 1.0], "temperature: 2 values for 1 sequences"),
+    ([[1, 2, 3]], [1], 0.0, "temperature: must be > 0"),
+])
+def test_scored_sequences_are_checked_with_the_field_named(sequences, prompts, temperature, message):
+    """What ``score_logprobs`` and a pipeline's ``PolicyObjective.pipeline_batch`` both check first."""
+    from lockstep.rl.scoring import check_sequences
+
+    with pytest.raises(ConfigError, match=message):
+        check_sequences(sequences, prompts, temperature, 256)
+    assert check_sequences([torch.tensor([4, 5])], [1], 0.7, 256) == ([[4, 5]], [1], [0.7])
+
+
 def test_rl_pp2_trainer_cli_end_to_end(tmp_path):
     """Trainer ranks 0-1 (pipeline stages 0 and 1) + a one-process generator (rank 2), batch-invariant, with a KL
     term (the frozen reference as a forward-only pipeline) and a checkpoint: the loop runs, every version reaches the
