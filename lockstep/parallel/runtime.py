@@ -11,7 +11,9 @@ processes). It parallelizes a model with its family's plan (on ``device``), and 
   computes: the LM cross-entropy by default, with context parallel's ``shard_batch`` + cp
   cross-entropy; RL's policy-gradient loss) wrapped with the layout's pieces (device, autocast,
   ``loss_parallel`` when tp > 1, timer stages, the backward); pipeline: ``PipelineRunner.step``
-  (under cp on the cp-sharded batch: each stage's attention runs over the cp group);
+  (under cp on the cp-sharded batch: each stage's attention runs over the cp group), and another
+  objective through its pipeline halves (``pipeline_batch`` / ``pipeline_loss`` on the last stage /
+  ``pipeline_report``: RL's policy loss, :class:`~lockstep.rl.objective.PolicyObjective`);
 - ``loss(batch)``: the same forward without gradients (evaluation);
 - ``optimizer_step(optimizer, max_norm)``: gradient sync (cp, ep), clipping, the step, and the
   model's ``after_optimizer_step`` hook (``clip_gradients`` + ``apply_step``/``drop_step``: its halves);
