@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lockstep.config.base import ConfigError
 from lockstep.generate.config import EngineConfig, Request
@@ -74,20 +74,23 @@ GROUP_ATTR = "generation_group"
 
 @dataclasses.dataclass(frozen=True)
 class GenerationGroup:
-    """How a model is sharded for generation: the group's 1-D mesh and the degrees (one of them 1)."""
+    """How a model is sharded for generation: the group's mesh (1-D ``"tp"`` or ``"ep"``; 2-D
+    ``("ep", "tp")`` when both are > 1), the degrees and the whole group's process group."""
 
     mesh: DeviceMesh
     tp: int = 1
     ep: int = 1
+    process_group: dist.ProcessGroup | None = None
 
     @property
     def group(self) -> dist.ProcessGroup:
-        return self.mesh.get_group()
+        """Every rank of the generator (sampling agreement, the head's commands)."""
+        return self.process_group if self.process_group is not None else self.mesh.get_group()
 
     @property
     def rank(self) -> int:
         """This process's rank in the group (0 samples for everyone)."""
-        return self.mesh.get_local_rank()
+        return dist.get_rank(self.group)
 
 
 def group_of(model: nn.Module) -> GenerationGroup | None:
@@ -110,9 +113,6 @@ def check_generation_layout(model: nn.Module, tp: int, ep: int, world: int,
     for name, value in (("tp", tp), ("ep", ep)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{field}.{name}: must be an integer >= 1, got {value!r}")
-    if tp > 1 and ep > 1:
-        raise ConfigError(f"{field}: tp={tp} and ep={ep} together are not supported for generation yet; "
-                          f"use one of them")
     if tp * ep != world:
         raise ConfigError(f"{field}: tp x ep = {tp * ep} must equal the group's size {world}")
     cfg = model.config
@@ -152,19 +152,49 @@ def shard_for_generation(model: nn.Module, *, tp: int = 1, ep: int = 1, group: d
     if group_of(model) is not None:
         raise RuntimeError("shard_for_generation: the model is already sharded for generation")
     check_generation_layout(model, tp, ep, world, field)
-    mesh = DeviceMesh.from_group(group, _device_type(model), mesh_dim_names=("ep" if ep > 1 else "tp",))
+    if tp > 1 and ep > 1:
+        mesh = _grid_mesh(group, ep, tp, _device_type(model))
+        tp_mesh, ep_mesh = mesh["tp"], mesh["ep"]
+    else:
+        mesh = tp_mesh = ep_mesh = DeviceMesh.from_group(group, _device_type(model),
+                                                         mesh_dim_names=("ep" if ep > 1 else "tp",))
     if tp > 1:
         from lockstep.parallel.parallelize import apply_dense_tp
 
         try:
-            apply_dense_tp(model, mesh, sequence_parallel=False)
+            apply_dense_tp(model, tp_mesh, sequence_parallel=False)
         except ConfigError as err:
             raise _renamed(err, field) from None
-    if ep > 1:
+    if ep > 1:  # after TP: each rank keeps its experts' slice of its hidden-dim shard
         for moe in (m for m in model.modules() if isinstance(m, MoE)):
-            _shard_experts(moe, mesh)
-    setattr(model, GROUP_ATTR, GenerationGroup(mesh, tp, ep))
+            _shard_experts(moe, mesh, ep_mesh)
+    setattr(model, GROUP_ATTR, GenerationGroup(mesh, tp, ep, group))
     return model
+
+
+#: this process's ep / tp subgroups of generation groups, by their global ranks (made once each)
+_SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _subgroup(ranks: list[int]) -> dist.ProcessGroup:
+    """A process group of ``ranks`` made by its members alone (the rest of the job, e.g. the trainer
+    ranks of an RL run, takes no part; its name is a hash of the ranks, so no group counter drifts
+    apart between the processes that made it and those that did not); one per rank set."""
+    key = tuple(ranks)
+    if key not in _SUBGROUPS:
+        _SUBGROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
+    return _SUBGROUPS[key]
+
+
+def _grid_mesh(group: dist.ProcessGroup, ep: int, tp: int, device_type: str) -> DeviceMesh:
+    """The ``("ep", "tp")`` mesh of a generation group: ``ep`` rows of ``tp`` consecutive group ranks
+    (tp neighbours, as the trainer's mesh puts tp innermost). Each rank makes its row and its column."""
+    ranks = dist.get_process_group_ranks(group)
+    grid = torch.tensor(ranks).view(ep, tp)
+    row, col = divmod(ranks.index(dist.get_rank()), tp)
+    tp_group = _subgroup(grid[row].tolist())  # every rank: its row, then its column (the same order on all)
+    ep_group = _subgroup(grid[:, col].tolist())
+    return DeviceMesh.from_group([ep_group, tp_group], device_type, mesh=grid, mesh_dim_names=("ep", "tp"))
 
 
 class _ExpertShare(GroupedExperts):
@@ -173,12 +203,15 @@ class _ExpertShare(GroupedExperts):
     of its own experts only (``counts``: its experts' counts), no exchange."""
 
     takes_routing = False  # the routing weights are applied by the layer (``_routed_share``)
+    #: whether this rank adds the output bias b2 (under expert TP only tp rank 0's partial sum carries it)
+    adds_b2: bool = True
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return tuple(_local(w) for w in (self.w1, self.w2, self.w3))  # type: ignore[return-value]
 
     def local_biases(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        return tuple(None if b is None else _local(b) for b in (self.b1, self.b3, self.b2))  # type: ignore
+        b1, b3, b2 = (None if b is None else _local(b) for b in (self.b1, self.b3, self.b2))
+        return b1, b3, (b2 if b2 is None or self.adds_b2 else torch.zeros_like(b2))
 
     def extra_repr(self) -> str:
         return f"experts {self.expert_offset}..{self.expert_offset + self.n_experts - 1} of {self.n_global_experts}"
@@ -188,21 +221,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _shard_experts(moe: MoE, mesh: DeviceMesh) -> None:
+def _shard_experts(moe: MoE, mesh: DeviceMesh, ep_mesh: DeviceMesh) -> None:
+    """Keep this rank's ``E / ep`` experts; ``mesh``: the group's (``ep_mesh`` itself, or 2-D
+    ``("ep", "tp")`` after expert TP split the hidden dim: the slices become ``[Shard(0), <tp's>]``
+    DTensors there, a tensor TP left whole ``Replicate`` on tp)."""
     experts = moe.experts
-    ep, rank = mesh.size(), mesh.get_local_rank()
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     n_local = experts.n_experts // ep
+    experts.__dict__.pop("local_biases", None)  # expert TP's per-instance biases: the class's below
     experts.__class__ = _ExpertShare  # the same module (impl, activation, init stds), holding its slice
     experts.n_global_experts, experts.expert_offset = experts.n_experts, rank * n_local
     experts.n_experts = n_local
+    both = mesh.ndim == 2
+    if both:
+        experts.adds_b2 = mesh["tp"].get_local_rank() == 0
     for name in ("w1", "w2", "w3", "b1", "b2", "b3"):
         p = getattr(experts, name)
         if p is None:
             continue
-        local = p.detach()[rank * n_local:(rank + 1) * n_local].clone()
-        setattr(experts, name, nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False),
+        local = _local(p.detach())[rank * n_local:(rank + 1) * n_local].clone()
+        placements = [Shard(0)]
+        if both:
+            placements.append(p.placements[0] if isinstance(p, DTensor) else Replicate())
+        setattr(experts, name, nn.Parameter(DTensor.from_local(local, mesh, placements, run_check=False),
                                             requires_grad=p.requires_grad))
-    moe.routed_and_shared = _routed_share(moe, mesh.get_group())
+    moe.routed_and_shared = _routed_share(moe, ep_mesh.get_group())
 
 
 def _routed_share(moe: MoE, group: dist.ProcessGroup):

@@ -205,14 +205,22 @@ class ParallelDims:
         names = tuple(n for n, _ in dims)
         return self.flatten_mesh(init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names))
 
+    @property
+    def flattened_dims(self) -> list[tuple[tuple[str, ...], str]]:
+        """(mesh dims, name) of each flattened dim ``build_mesh`` adds, in the order it adds them."""
+        out = []
+        if self.ep_spans_cp:
+            out.append((("dp_shard", "cp"), "ep"))
+        elif self.ep > 1:
+            out.append((("dp_shard_mod_ep", "ep"), "dp_shard"))
+        if len(self.data_dims) > 1:
+            out.append((tuple(self.data_dims), "dp"))
+        return out
+
     def flatten_mesh(self, mesh):
         """Add the flattened dims ``build_mesh`` describes to a mesh of ``mesh_dims`` (collective)."""
-        if self.ep_spans_cp:
-            mesh[("dp_shard", "cp")]._flatten("ep")
-        elif self.ep > 1:
-            mesh[("dp_shard_mod_ep", "ep")]._flatten("dp_shard")
-        if len(self.data_dims) > 1:
-            mesh[tuple(self.data_dims)]._flatten("dp")
+        for names, name in self.flattened_dims:
+            mesh[names]._flatten(name)
         return mesh
 
     def dp_rank(self, mesh) -> int:

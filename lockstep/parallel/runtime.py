@@ -51,7 +51,16 @@ def _sub_mesh(dims: ParallelDims, ranks: list[int], device_type: str):
         return None
     shape = tuple(d for _, d in dims.mesh_dims)
     mesh = DeviceMesh(device_type, torch.tensor(ranks).view(shape), mesh_dim_names=tuple(names))
-    return dims.flatten_mesh(mesh)
+    if dist.get_rank() in ranks:
+        return dims.flatten_mesh(mesh)
+    # an outsider cannot slice a mesh it is not in (torch needs the local rank for a proper slice), but
+    # must take part in creating the flattened dims' groups: the same new_group calls, by their layouts
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    for sliced, name in dims.flattened_dims:
+        layout = _MeshLayout([mesh._get_slice_mesh_layout(sliced).collapse()])
+        DeviceMesh._init_process_groups(layout, mesh._rank_map, (name,), ((None, None),))
+    return mesh
 
 
 @dataclasses.dataclass

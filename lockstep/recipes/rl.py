@@ -3,6 +3,8 @@
 - ``rl-debug``: a 0.6M-parameter random llama3 on the dense-reward ``echo`` task (every group has
   reward variance, so every step changes the weights); a handful of steps in seconds, one trainer
   + one generator process (for tests and smoke runs).
+- ``rl-debug-moe``: ``rl-debug`` with a random ``qwen3_moe`` debug model (8 experts, top-2), for the
+  expert-parallel layouts (``parallel.ep`` with ``tp`` / ``dp_replicate``, ``workers.generator_parallel.ep``).
 - ``rl-arith-tiny``: a 1.6M-parameter llama3 learns the answer format and some one-digit sums by
   SFT, then DAPO (GRPO advantages, clip-higher, token-level loss, flat groups filtered) raises its
   greedy pass rate on held-out task seeds.
@@ -48,6 +50,14 @@ def rl_debug() -> RLConfig:
         workers=WorkersConfig(generators=1, max_offpolicy_steps=0),
         output=RLOutputConfig(progress=False),
     )
+
+
+@recipe("rl-debug-moe", "rl-debug with a random qwen3_moe debug model (8 experts, top-2): the expert-parallel trainer "
+        "and generator layouts (parallel.ep, workers.generator_parallel.ep) on a model in seconds")
+def rl_debug_moe() -> RLConfig:
+    cfg = rl_debug()
+    cfg.model = model_config("qwen3_moe", "debug")
+    return cfg
 
 
 @recipe("rl-long-prompt", "RL with ~3.5k-token prompts on this CPU: rl-debug's model (context 4096) on the echo "

@@ -100,7 +100,7 @@ class TaskConfig(Config):
 @dataclasses.dataclass(kw_only=True)
 class GeneratorParallelConfig(Config):
     """The layout of each generator: a group of ``tp x ep`` processes running the engine together
-    (``lockstep.generate.parallel``: tensor-parallel, or expert-parallel for MoE; one of the two)."""
+    (``lockstep.generate.parallel``: tensor-parallel, expert-parallel for MoE, or both: ep rows of tp ranks)."""
 
     #: tensor-parallel degree of each generator (attention heads, FFN hidden dim, vocabulary split)
     tp: int = 1
@@ -116,8 +116,6 @@ class GeneratorParallelConfig(Config):
         for name in ("tp", "ep"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 1, f"{path}.{name}", f"must be an integer >= 1, got {value!r}")
-        require(self.tp == 1 or self.ep == 1, path,
-                f"tp={self.tp} and ep={self.ep} together are not supported for generation; use one of them")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -355,12 +353,11 @@ class RLConfig(RunConfig):
                 "objective scores whole sequences, and context parallel shards them under the LM objective only")
         if par.pp > 1:
             self._check_pipeline()
-        if par.ep > 1:
-            require(par.ep == par.dp_shard and par.dp_replicate == 1, "parallel.ep",
-                    f"the RL trainer's experts are split over ep and left out of FSDP (ep == dp_shard, "
-                    f"dp_replicate == 1; the resharding weight sync reads that layout), got ep={par.ep}, "
-                    f"dp_shard={par.dp_shard}, dp_replicate={par.dp_replicate}")
-            require(par.tp == 1, "parallel.ep", f"the RL trainer runs ep or tp, not both (got tp={par.tp})")
+        if par.ep > 1:  # tp (expert TP on each ep rank's experts) and dp_replicate (replicas of them) compose
+            require(par.ep == par.dp_shard, "parallel.ep",
+                    f"the RL trainer's experts are split over ep and not FSDP-sharded on the expert dim (ep == "
+                    f"dp_shard; with ep < dp_shard each rank would hold a shard of its experts' shard, which the "
+                    f"resharding weight sync does not read), got ep={par.ep}, dp_shard={par.dp_shard}")
         require(self.training.mode == "eager" or par.tp == par.ep == 1, "training.mode",
                 "graph mode runs data-parallel layouts only; use training.mode='eager' with parallel.tp / ep")
         world, dp = self.trainer_world_size, self.trainer_dp

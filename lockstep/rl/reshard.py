@@ -16,8 +16,11 @@ chunking: ``ceil(n / k)`` rows a rank, the last ones short or empty; several on 
 right, DTensor's default order), ``Replicate`` and FSDP2-over-TP's ``_StridedShard(d)`` (FSDP chunks
 the tensor-parallel shard: applied after the plain ``Shard`` placements of the same dim, whose degrees
 its ``split_factor`` must be); ``Partial`` is refused by name. A trainer's expert-parallel experts
-(:class:`~lockstep.parallel.expert.ExpertParallelExperts`: plain tensors holding ``E / ep`` experts)
-are described as ``Shard(0)`` over the ``ep`` dim of the trainer's mesh (``describe(..., mesh=)``).
+(:class:`~lockstep.parallel.expert.ExpertParallelExperts`: tensors holding ``E / ep`` experts) are
+described as ``Shard(0)`` over the ``ep`` dim of the trainer's mesh (``describe(..., mesh=)``), then by
+their own DTensor placements (expert TP's hidden-dim shard under tp x ep, HSDP's replicas under
+dp_replicate x ep: any replica is a source). An ep x tp generation group's experts are DTensors on its
+``("ep", "tp")`` mesh; its TP weights, on one ep row's tp ranks, are described on the whole grid.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lockstep.generate.parallel import group_of
 
 Box = tuple[tuple[int, int], ...]  # per dim [start, stop) in global coordinates
 
@@ -171,14 +176,20 @@ def _expert_tensors(model: nn.Module) -> dict[str, int]:
 
 def describe(model: nn.Module, ranks: list[int], mesh: Any = None) -> dict[str, TensorLayout]:
     """Where each state tensor of this side's ``model`` lives; ``ranks``: this side's global ranks (a
-    plain tensor is whole on each of them). ``mesh``: the side's DeviceMesh when its experts are
-    expert-parallel (its ``ep`` dim splits them; they are whole on the other dims). Under a pipeline (a
-    ``pp`` dim) each rank describes its own stages' tensors, a plain one whole on the ranks of its stage
-    (:func:`side_layout` merges the stages); otherwise every rank of the side gives the same answer."""
+    plain tensor is whole on each of them). ``mesh``: the trainer's DeviceMesh when its experts are
+    expert-parallel (:class:`~lockstep.parallel.expert.ExpertParallelExperts`: split over its ``ep``
+    dim, then by their own DTensor placements: expert TP's hidden dim, FSDP over replicas). Another
+    DTensor is described on its own mesh (a trainer's router FSDP-sharded over dp only: those ranks
+    cover it), except on an ep x tp generation group (:func:`~lockstep.generate.parallel.group_of`),
+    whose TP weights are on every ep row: every rank must receive them. Under a pipeline (a ``pp`` dim) each rank describes its own stages' tensors, a plain
+    one whole on the ranks of its stage (:func:`side_layout` merges the stages); otherwise every rank of
+    the side gives the same answer."""
     stage = _stage_mesh(mesh)
     if stage is not None:  # a pipeline: this rank's stages, on the ranks (and dims) of its pp index
         mesh, ranks = stage
     experts = _expert_tensors(model)
+    generation = group_of(model)
+    grid = generation.mesh if generation is not None and generation.mesh.ndim > 1 else None
     if experts and (mesh is None or "ep" not in (mesh.mesh_dim_names or ())):
         raise ValueError("weight sync: the model's experts are expert-parallel; describe() needs the mesh with "
                          "their 'ep' dim")
@@ -187,20 +198,56 @@ def describe(model: nn.Module, ranks: list[int], mesh: Any = None) -> dict[str, 
         dtype = str(tensor.dtype).removeprefix("torch.")
         tensor_mesh = getattr(tensor, "device_mesh", None)
         if name in experts:
-            if tensor_mesh is not None:
-                raise ValueError(f"weight sync: {name} is expert-parallel and a DTensor (experts FSDP-sharded as "
-                                 f"well: ep < dp_shard), which resharding does not read")
-            names = mesh.mesh_dim_names
-            out[name] = TensorLayout((experts[name], *tensor.shape[1:]), dtype, tuple(mesh.mesh.shape),
-                                     tuple(int(r) for r in mesh.mesh.flatten().tolist()),
-                                     tuple(("S", 0) if n == "ep" else ("R",) for n in names))
+            out[name] = _expert_layout(name, tensor, experts[name], dtype, mesh)
         elif tensor_mesh is None:
             out[name] = TensorLayout(tuple(tensor.shape), dtype, (len(ranks),), tuple(ranks), (("R",),))
+        elif grid is not None and tensor_mesh.size() < grid.size():  # an ep x tp generator's TP weight: the
+            # same on every ep row (each rank a destination); a trainer's sub-mesh holders cover the tensor
+            out[name] = TensorLayout(tuple(tensor.shape), dtype, tuple(grid.mesh.shape), _ranks(grid),
+                                     _on_side_mesh(tensor, name, grid, {"ep": ("R",)}))
         else:
-            out[name] = TensorLayout(tuple(tensor.shape), dtype, tuple(tensor_mesh.mesh.shape),
-                                     tuple(int(r) for r in tensor_mesh.mesh.flatten().tolist()),
+            out[name] = TensorLayout(tuple(tensor.shape), dtype, tuple(tensor_mesh.mesh.shape), _ranks(tensor_mesh),
                                      _placements(tensor, name))
     return out
+
+
+def _ranks(mesh: Any) -> tuple[int, ...]:
+    return tuple(int(r) for r in mesh.mesh.flatten().tolist())
+
+
+def _on_side_mesh(tensor: Any, name: str, mesh: Any, fixed: dict[str, tuple]) -> tuple[tuple, ...]:
+    """The placements over the side's ``mesh`` of a tensor held on a slice of it: ``fixed`` ones by dim
+    name, then the tensor's own DTensor placements on its dims; a dim of size 1 is ``Replicate``, and
+    any other dim the tensor is not on is refused (its ranks might hold other tensors: pipeline stages)."""
+    names = tuple(mesh.mesh_dim_names or ())
+    own: dict[str, tuple] = {}
+    sub = getattr(tensor, "device_mesh", None)
+    if sub is not None:
+        sub_names = tuple(sub.mesh_dim_names or ())
+        if not set(sub_names) <= set(names) or mesh[sub_names].mesh.tolist() != sub.mesh.tolist():
+            raise ValueError(f"weight sync: {name} is held on mesh {sub} (dims {sub_names}), which is not a slice of "
+                             f"the side's mesh {mesh} (dims {names}); resharding cannot place it")
+        own = dict(zip(sub_names, _placements(tensor, name)))
+    out = []
+    for dim_name, size in zip(names, mesh.mesh.shape):
+        placement = fixed.get(dim_name) or own.get(dim_name) or (("R",) if size == 1 else None)
+        if placement is None:
+            raise ValueError(f"weight sync: {name} is not on the side mesh's {dim_name} dim ({int(size)} ranks), "
+                             f"which resharding reads only for the tensors that dim splits or replicates")
+        out.append(placement)
+    return tuple(out)
+
+
+def _expert_layout(name: str, tensor: Any, n_global: int, dtype: str, mesh: Any) -> TensorLayout:
+    """An expert-parallel tensor (``E / ep`` experts a rank): ``Shard(0)`` over the mesh's ep dim, then
+    its own DTensor placements (expert TP's hidden-dim shard, FSDP over replicas of the same experts)."""
+    placements = _on_side_mesh(tensor, name, mesh, {"ep": ("S", 0)})
+    for dim_name, size, placement in zip(mesh.mesh_dim_names, mesh.mesh.shape, placements):
+        if dim_name != "ep" and placement[0] != "R" and placement[1] == 0 and size > 1:
+            raise ValueError(f"weight sync: {name} is expert-parallel and split on its expert dim over "
+                             f"{dim_name} as well (experts FSDP-sharded: ep < dp_shard), which resharding does "
+                             f"not read")
+    return TensorLayout((n_global, *tensor.shape[1:]), dtype, tuple(mesh.mesh.shape), _ranks(mesh), placements)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -107,7 +107,6 @@ def test_resume_refuses_a_changed_recipe(tmp_path):
     (["--steps", "0"], "steps: must be >= 1"),
     (["--parallel.tp", "2", "--workers.generators", "0"], "parallel.tp: colocated generation"),
     (["--parallel.dp-shard", "4", "--parallel.ep", "2"], "parallel.ep: the RL trainer's experts are split over ep"),
-    (["--parallel.dp-replicate", "2", "--parallel.dp-shard", "2", "--parallel.ep", "2"], "dp_replicate == 1"),
     (["--parallel.tp", "2", "--training.mode", "graph"], "training.mode: graph mode runs data-parallel"),
     (["--parallel.dp-shard", "-1"], "dp_shard must be given"),
     (["--parallel.dp-shard", "2", "--workers.generators", "0"], "colocated generation"),
