@@ -115,22 +115,36 @@ static inline __m512 exp_nonpositive(__m512 x) {
 #define MAX_GROUPS 16
 #define MAX_CHUNKS 16 /* head dims up to 256 */
 
-/* One kv head's block_size rows of a block (`at`: its first element) into L2. */
-static inline void prefetch_rows(const void *pool, int64_t at, const struct layout *lay, int64_t elem) {
-    const char *p = (const char *)pool + at * elem;
-    for (int64_t r = 0; r < lay->block_size; r++, p += lay->row_stride * elem)
-        for (int64_t off = 0; off < lay->d * elem; off += 64)
-            _mm_prefetch(p + off, _MM_HINT_T1);
+/* The next task's rows (each kv head's keys, then its values), prefetched into L2 one row per row the
+ * current task reads: a steady trickle a whole task ahead. In a decode step the weights' stream has
+ * evicted the pools, and the hardware prefetcher starts late on each task's runs; asking for whole
+ * blocks at once (two blocks ahead) recovered less of that wait. */
+struct ahead {
+    const char *pool[2];
+    const int64_t *table;
+    int64_t lo, n, s, block, left, at, kv, kv_end, which;
+};
+
+static inline void ahead_start(struct ahead *a, const struct layout *lay) {
+    a->s = a->lo, a->block = a->lo / lay->block_size, a->left = lay->block_size - a->lo % lay->block_size;
+    a->at = a->table[a->block] * lay->block_stride + a->kv * lay->head_stride + a->lo % lay->block_size * lay->row_stride;
 }
 
-/* Blocks sit anywhere in the pools, so the hardware prefetcher loses the stream at each block edge.
- * On entering block `block` of the table, a kv head (first element `head_at` within a block) asks
- * for its values of this block and its keys of the next two blocks, into L2 ahead of their reads. */
-static inline void prefetch_block(const void *k_pool, const void *v_pool, const int64_t *table, int64_t block,
-                                  int64_t head_at, int64_t n, const struct layout *lay, int64_t elem) {
-    prefetch_rows(v_pool, table[block] * lay->block_stride + head_at, lay, elem);
-    for (int64_t ahead = 1; ahead <= 2 && (block + ahead) * lay->block_size < n; ahead++)
-        prefetch_rows(k_pool, table[block + ahead] * lay->block_stride + head_at, lay, elem);
+static inline void ahead_step(struct ahead *a, const struct layout *lay, int64_t elem) {
+    if (a->kv >= a->kv_end)
+        return;
+    const char *p = a->pool[a->which] + a->at * elem;
+    for (int64_t off = 0; off < lay->d * elem; off += 64)
+        _mm_prefetch(p + off, _MM_HINT_T1);
+    a->at += lay->row_stride;
+    if (++a->s == a->n) {
+        if (++a->which == 2)
+            a->which = 0, a->kv++;
+        if (a->kv < a->kv_end)
+            ahead_start(a, lay);
+    } else if (--a->left == 0) {
+        a->at = a->table[++a->block] * lay->block_stride + a->kv * lay->head_stride, a->left = lay->block_size;
+    }
 }
 
 /* v[j] -> the sum of v[j]'s 16 lanes, as lane j of the result (a transposed reduction: 45 instructions
@@ -156,7 +170,8 @@ static inline __m512 sum_lanes16(const __m512 v[LANES]) {
 static inline __attribute__((always_inline)) void attend_task(
         const void *q, const void *k_pool, const void *v_pool, const int64_t *table, int64_t lo, int64_t n,
         void *out, int64_t b, int64_t kv0, int64_t kv_count, int64_t heads, const struct layout *lay,
-        float scale, int is_bf16, const float *sinks, const int64_t groups, const int64_t chunks, float *scores) {
+        float scale, int is_bf16, const float *sinks, const int64_t groups, const int64_t chunks, float *scores,
+        struct ahead *next) {
     const int64_t d = lay->d, block_size = lay->block_size, block_stride = lay->block_stride;
     const int64_t row_stride = lay->row_stride, elem = is_bf16 ? 2 : 4;
     const int64_t m = n - lo; /* keys lo .. n - 1, scores stored from 0 */
@@ -173,7 +188,6 @@ static inline __attribute__((always_inline)) void attend_task(
         const int64_t head_at = kv * lay->head_stride;
         int64_t block = lo / block_size, left = block_size - lo % block_size; /* rows of this block still to read */
         int64_t at = table[block] * block_stride + head_at + lo % block_size * row_stride;
-        prefetch_block(k_pool, v_pool, table, block, head_at, n, lay, elem);
         for (int64_t s0 = lo; s0 < n; s0 += LANES) {
             for (int64_t j = 0; j < LANES; j++) {
                 const int64_t s = s0 + j;
@@ -181,10 +195,8 @@ static inline __attribute__((always_inline)) void attend_task(
                     lane[g][j] = _mm512_setzero_ps();
                 if (s >= n)
                     continue;
-                if (left == 0) {
+                if (left == 0)
                     at = table[++block] * block_stride + head_at, left = block_size;
-                    prefetch_block(k_pool, v_pool, table, block, head_at, n, lay, elem);
-                }
                 left--;
                 for (int64_t c = 0; c < chunks; c++) {
                     __m512 kc = load16(k_pool, at + c * LANES, is_bf16);
@@ -192,6 +204,7 @@ static inline __attribute__((always_inline)) void attend_task(
                         lane[g][j] = _mm512_fmadd_ps(qv[g][c], kc, lane[g][j]);
                 }
                 at += row_stride;
+                ahead_step(next, lay, elem);
             }
             for (int64_t g = 0; g < groups; g++)
                 _mm512_storeu_ps(scores + g * stride + s0 - lo, sum_lanes16(lane[g]));
@@ -224,6 +237,7 @@ static inline __attribute__((always_inline)) void attend_task(
         for (int64_t s = lo; s < n; s++, at += row_stride, left--) {
             if (left == 0)
                 at = table[++block] * block_stride + head_at, left = block_size;
+            ahead_step(next, lay, elem);
             for (int64_t c = 0; c < chunks; c++) {
                 __m512 vc = load16(v_pool, at + c * LANES, is_bf16);
                 for (int64_t g = 0; g < groups; g++)
@@ -250,7 +264,7 @@ static inline __attribute__((always_inline)) void attend_task(
 
 typedef void (*task_fn)(const void *, const void *, const void *, const int64_t *, int64_t, int64_t, void *, int64_t,
                         int64_t, int64_t, int64_t, const struct layout *, float, int, const float *, int64_t, int64_t,
-                        float *);
+                        float *, struct ahead *);
 
 /* attend_task with groups, chunks and the dtype as literals: a function each, called through a pointer
  * from the OpenMP loop (GCC outlines a parallel region before inlining, so constants passed into an
@@ -259,10 +273,11 @@ typedef void (*task_fn)(const void *, const void *, const void *, const int64_t 
     static void task_##G##_##C##_##BF(const void *q, const void *k_pool, const void *v_pool, const int64_t *table, \
                                       int64_t lo, int64_t n, void *out, int64_t b, int64_t kv0, int64_t kv_count,  \
                                       int64_t heads, const struct layout *lay, float scale, int is_bf16,           \
-                                      const float *sinks, int64_t groups, int64_t chunks, float *scores) {         \
+                                      const float *sinks, int64_t groups, int64_t chunks, float *scores,           \
+                                      struct ahead *next) {                                                        \
         (void)is_bf16, (void)groups, (void)chunks;                                                                 \
         attend_task(q, k_pool, v_pool, table, lo, n, out, b, kv0, kv_count, heads, lay, scale, BF, sinks, G, C,    \
-                    scores);                                                                                       \
+                    scores, next);                                                                                 \
     }
 #define FIXED_SHAPES(X) X(1, 4) X(2, 4) X(3, 4) X(4, 4) X(1, 8) X(2, 8) X(4, 8) X(8, 8)
 #define TASKS(G, C) TASK(G, C, 0) TASK(G, C, 1)
@@ -272,9 +287,9 @@ FIXED_SHAPES(TASKS)
 static void task_any(const void *q, const void *k_pool, const void *v_pool, const int64_t *table, int64_t lo,
                      int64_t n, void *out, int64_t b, int64_t kv0, int64_t kv_count, int64_t heads,
                      const struct layout *lay, float scale, int is_bf16, const float *sinks, int64_t groups,
-                     int64_t chunks, float *scores) {
+                     int64_t chunks, float *scores, struct ahead *next) {
     attend_task(q, k_pool, v_pool, table, lo, n, out, b, kv0, kv_count, heads, lay, scale, is_bf16, sinks, groups,
-                chunks, scores);
+                chunks, scores, next);
 }
 
 static void attend_avx512(const void *q, const void *k_pool, const void *v_pool, const int64_t *tables,
@@ -299,8 +314,16 @@ static void attend_avx512(const void *q, const void *k_pool, const void *v_pool,
             const int64_t b = task / per_seq, kv0 = task % per_seq * kv_per_task;
             int64_t lo;
             const int64_t n = context_range(positions[b], block_size * table_width, window, &lo);
+            struct ahead next = {{k_pool, v_pool}, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+            if (task + 1 < batch * per_seq) {
+                const int64_t b1 = (task + 1) / per_seq;
+                next.table = tables + b1 * table_width;
+                next.n = context_range(positions[b1], block_size * table_width, window, &next.lo);
+                next.kv = (task + 1) % per_seq * kv_per_task, next.kv_end = next.kv + kv_per_task;
+                ahead_start(&next, lay);
+            }
             task_body(q, k_pool, v_pool, tables + b * table_width, lo, n, out, b, kv0, kv_per_task, heads, lay, scale,
-                      is_bf16, sinks, groups, chunks, scores);
+                      is_bf16, sinks, groups, chunks, scores, &next);
         }
         free(scores);
     }
