@@ -41,13 +41,17 @@ class ShadowWeights:
         """Pair each source parameter with its copy by name (tied parameters once)."""
         copies = dict(self.model.named_parameters())
         self._pairs = [(src, copies[name]) for name, src in self.source.named_parameters()]
-        self._versions = [src._version for src, _ in self._pairs]
+        self._sources = [src for src, _ in self._pairs]
+        self._versions = [src._version for src in self._sources]
 
     def sync(self) -> int:
         """Re-cast the source parameters written in place since the last sync; how many were."""
+        versions = [src._version for src in self._sources]  # one pass, compared as one list
+        if versions == self._versions:
+            return 0
         changed = 0
         for i, (src, dst) in enumerate(self._pairs):
-            version = src._version
+            version = versions[i]
             if version != self._versions[i]:
                 with torch.no_grad():
                     dst.copy_(src.detach())
