@@ -58,8 +58,10 @@ def test_block_tables_and_slots_follow_positions():
     assert tables[1].tolist() == [admitted[1].blocks[0].item(), NULL_BLOCK]  # padded with the null block
     prefill(engine, admitted)
     k_pool = engine.cache.layer("0").pools[0]
+    attn = model.layers["0"].attention
+    # stored head-major under the [blocks, block_size, Hkv, D] view: one kv head's rows of consecutive blocks are one run
+    assert k_pool.shape == (17, 4, attn.n_kv_heads, attn.head_dim) and k_pool.permute(2, 0, 1, 3).is_contiguous()
     with torch.no_grad():
-        attn = model.layers["0"].attention
         x = model.layers["0"].attention_norm(model.tok_embeddings(torch.tensor([p1])))
         k = attn.wk(x).view(1, 6, -1, attn.head_dim)
         if attn.k_norm is not None:
