@@ -4,9 +4,9 @@ bf16, one packed layout (``csrc/bf16_linear.c``'s ``bf16_pack``) read by every b
 
 - level ``amx``: Intel AMX tiles (``csrc/amx_linear.c``) for weights that fill whole tiles
   (``N % 16 == 0``, ``K % 32 == 0``); other shapes take the next kernel;
-- ``avx512`` with ``avx512_bf16`` (and amx, for the other shapes): ``vdpbf16ps``
-  (``csrc/bf16_linear.c``);
-- below that: the same file's plain C path, the same bits as ``vdpbf16ps`` (its header).
+- ``avx512`` with ``avx512_bf16`` (and amx, for the other shapes): ``vdpbf16ps``'s arithmetic, run as
+  fp32 FMAs under DAZ/FTZ (``csrc/bf16_linear.c``: the same bits, faster than the instruction);
+- below that: the same file's plain C path, the same bits again (its header).
 
 fp32 (``csrc/f32_linear.c``): AVX-512, levels avx512 and amx, ``N % 16 == 0``.
 

@@ -1,7 +1,7 @@
 """The CPU instruction-set level lockstep's C kernels run at, decided at run time in this one place.
 
 Levels, lowest first: ``"portable"`` (plain C, compiled for this CPU without AVX-512), ``"avx512"``
-(AVX-512F; the bf16 kernels also use ``vdpbf16ps`` where the CPU has ``avx512_bf16``) and ``"amx"``
+(AVX-512F; the bf16 kernels also run ``vdpbf16ps``'s arithmetic where the CPU has ``avx512_bf16``) and ``"amx"``
 (Intel AMX tiles for bf16 products; the rest as avx512). :func:`detected` is the highest this CPU and
 OS run: ``/proc/cpuinfo`` flags, and for AMX the kernel granting the tile state (``arch_prctl``).
 ``$LOCKSTEP_CPU_ISA`` (``portable|avx512|amx``) caps it (never raises it: a level the CPU lacks is
@@ -103,7 +103,7 @@ def at_least(name: str) -> bool:
 
 
 def avx512_bf16() -> bool:
-    """Whether the bf16 vector kernels use ``vdpbf16ps`` here (level avx512 or amx, CPU flag)."""
+    """Whether the bf16 vector kernels (``vdpbf16ps``'s arithmetic) run here (level avx512 or amx, CPU flag)."""
     return at_least("avx512") and "avx512_bf16" in cpu_flags()
 
 

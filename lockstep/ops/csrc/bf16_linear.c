@@ -32,10 +32,11 @@
  * gives oneDNN's or the AMX kernel's bits (other summation orders).
  *
  * Loop order: threads (torch's OpenMP runtime) take work items of up to 48 rows x 3 column blocks
- * (plain C: 4); an item walks K in chunks of 32 pair rows (plain C: K whole), every register block of up to 8 rows x 3
- * column blocks (24 accumulators; plain C: 6 x 4) over one chunk before the next (the running sums parked in memory between
- * chunks: exact), so the chunk's weights (6 KB) come from memory once and from L1 for the other row
- * blocks, and the first row block prefetches each block's stream 2 KB ahead.
+ * (plain C: 4); an item walks K in chunks of 32 pair rows (plain C: K whole), every register block
+ * of up to 8 rows x 3 column blocks (24 accumulators; plain C: 6 x 4) over one chunk before the
+ * next (the running sums parked in memory between chunks: exact), so the chunk's weights (6 KB)
+ * come from memory once and from L1 for the other row blocks, and the first row block prefetches
+ * each block's stream 2 KB ahead.
  */
 #include <math.h>
 #include <stdint.h>
@@ -134,7 +135,8 @@ static inline __attribute__((always_inline)) void block(const int R, const int C
         const int64_t q = 2 * (p - p0);
         for (int r = 0; r < R; r++) {
             const __m512 x1 = _mm512_set1_ps(xf[r][q + 1]), x0 = _mm512_set1_ps(xf[r][q]);
-            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(x0, even[c], _mm512_fmadd_ps(x1, odd[c], acc[r][c]));
+            for (int c = 0; c < C; c++)  /* the odd product first, as vdpbf16ps */
+                acc[r][c] = _mm512_fmadd_ps(x0, even[c], _mm512_fmadd_ps(x1, odd[c], acc[r][c]));
         }
     }
     if (p1 < live) {
