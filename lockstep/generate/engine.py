@@ -148,8 +148,6 @@ class Engine:
         self.on_logits: Callable[[list[int], torch.Tensor], None] | None = None
         self._next_id = 0
         self._decode_forward = self._forward_last
-        #: the decode rows' argmax when the compiled step computed it beside the logits (read once by _draw)
-        self._greedy: torch.Tensor | None = None
         self._tables_key, self._tables = None, None  # the last block table built (_block_tables)
         self._compiled = config.compile_decode != "none"
         #: (rows, context blocks) buckets whose compiled step ran with every guard checked
@@ -162,7 +160,7 @@ class Engine:
             options = {"freezing": True} if config.compile_decode == "inductor-frozen" else {}
             if self._packed and backend == "inductor":
                 options["post_grad_custom_post_pass"] = sibling_grouping_pass()
-            self._decode_forward = torch.compile(self._forward_greedy, backend=backend, dynamic=False,
+            self._decode_forward = torch.compile(self._forward_last, backend=backend, dynamic=False,
                                                  options=options)
 
     # ----------------------------------------------------------------- requests
@@ -304,13 +302,6 @@ class Engine:
         h = self.runner.trunk(tokens, positions, cache=self._model_cache)[2]
         return self.runner.output(h[:, -1]).float()
 
-    def _forward_greedy(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`_forward_last` and each row's argmax (``max(-1).indices``: the ids sampling's greedy
-        rows take): compiled, the argmax is one reduction fused where the logits are made instead of a
-        second pass over ``[B, V]`` after the step (~1 ms at 16 rows of SmolLM2's 49152 here)."""
-        logits = self._forward_last(tokens, positions)
-        return logits, logits.max(dim=-1).indices
-
     def _free_recurrent(self) -> None:
         """Return the recurrent-state slots (hybrid models) and drafts of sequences no longer running."""
         if self.recurrent is not None:
@@ -340,16 +331,14 @@ class Engine:
             self.recurrent.set_step([s.seq_id for s in seqs], rows=rows)
         tokens = tokens.to(self.device)
         if compiled:
-            logits, greedy = self._compiled_decode(tokens, positions, (rows, n_blocks))
-            self._greedy = greedy[:b]
+            logits = self._compiled_decode(tokens, positions, (rows, n_blocks))
         else:
             logits = self._forward_last(tokens, positions)
         return self._sample(seqs, logits[:b])
 
-    def _compiled_decode(self, tokens: torch.Tensor, positions: torch.Tensor,
-                         bucket: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-        """The compiled decode forward (logits and their argmax, :meth:`_forward_greedy`). A bucket
-        (rows, context blocks) that already ran with every guard checked runs with only the guards that tell cached graphs apart
+    def _compiled_decode(self, tokens: torch.Tensor, positions: torch.Tensor, bucket: tuple) -> torch.Tensor:
+        """The compiled decode forward. A bucket (rows, context blocks) that already
+        ran with every guard checked runs with only the guards that tell cached graphs apart
         (``EngineConfig.skip_guard_checks``); should dynamo still want to recompile, the step reruns
         with full guards (it only rewrites the same cache slots with the same values) and the bucket
         is never skipped again.
@@ -413,10 +402,8 @@ class Engine:
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's next token and its log-probability (a generation group's engine takes group
-        rank 0's: :class:`lockstep.generate.parallel.GroupEngine`). The compiled decode's argmax
-        (``self._greedy``) is used once, by the draw right after that step."""
-        greedy, self._greedy = self._greedy, None
-        return sample_next(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs], greedy)
+        rank 0's: :class:`lockstep.generate.parallel.GroupEngine`)."""
+        return sample_next(logits, [s.request.sampling for s in seqs], [s.generator for s in seqs])
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StreamEvent]:
         if self.on_logits is not None:

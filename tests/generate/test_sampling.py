@@ -100,25 +100,6 @@ def test_greedy_takes_argmax_first_index_among_ties_and_nan():
     assert tokens[5] == 17 and tokens[6] == 0
 
 
-def test_the_compiled_steps_argmax_is_the_greedy_choice():
-    """The engine's compiled decode returns each row's argmax beside the logits (``Engine._forward_greedy``)
-    and sample_next's greedy rows take it: Inductor's fused argmax must pick what eager
-    ``max().indices`` does: the first index among exact ties (bf16 logits tie often), NaN first."""
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randint(0, 3, (8, 1000), generator=gen).to(torch.bfloat16)
-    logits[5, 17] = logits[5, 600] = float("nan")
-    logits[6] = float("-inf")
-    step = torch.compile(lambda x: (x.float(), x.float().max(dim=-1).indices), backend="inductor", dynamic=False)
-    with torch.no_grad():
-        out, greedy = step(logits)
-    assert torch.equal(greedy, out.max(dim=-1).indices) and greedy[5] == 17 and greedy[6] == 0
-    params = [SamplingParams(temperature=0)] * 8
-    tokens, logprobs = sample_next(out, params, [None] * 8, greedy)
-    want, want_logprobs = sample_next(out, params, [None] * 8)
-    assert torch.equal(tokens, want)
-    torch.testing.assert_close(logprobs, want_logprobs, rtol=0, atol=0, equal_nan=True)  # row 5: NaN
-
-
 def _draw(logits: torch.Tensor, n: int, **kw) -> torch.Tensor:
     params = [SamplingParams(seed=i, **kw) for i in range(n)]
     return sample_next(logits.expand(n, -1), params, [request_generator(i) for i in range(n)])[0]
