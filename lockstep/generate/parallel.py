@@ -1,6 +1,6 @@
-"""Generation on a group of processes: the engine run tensor-parallel (TP) or expert-parallel (EP).
+"""Generation on a group of processes: the engine run tensor-parallel (TP), expert-parallel (EP) or both.
 
-``shard_for_generation(model, tp=2)`` (or ``ep=2``) shards a loaded lockstep Transformer in place
+``shard_for_generation(model, tp=2)`` (or ``ep=2``, or ``tp=2, ep=2``) shards a loaded lockstep Transformer in place
 over a process group (every rank holding the same full weights before, e.g. loaded from the same
 checkpoint or built with the same seed; each keeps its slice, no communication), and
 :class:`GroupEngine` (an :class:`~lockstep.generate.engine.Engine`, same public API) runs it. Every
@@ -25,6 +25,14 @@ the replicated router routes them identically, so a rank computes the rows route
 the shared experts (replicated) are added after the sum. With top-2 routing and ep=2 the per-token
 sums are those of one process (``a + b`` in either order).
 
+**TP x EP** (both > 1): the group is ``ep`` rows of ``tp`` consecutive ranks (a 2-D ``("ep", "tp")``
+mesh, :func:`generation_grid`: its row and column groups are made by every process of the job, so a
+group inside a larger job, e.g. an RL generator, is handed its grid). TP is applied over each row as above (the ep rows are replicas of the
+attention, dense and shared-expert shards); then each rank keeps its row's ``E / ep`` experts of its
+hidden-dim shard (``[Shard(0), Shard(d)]`` on the 2-D mesh; b2, which expert TP leaves whole, is added
+by tp rank 0 only). A MoE layer sums its routed partials over the ep column (one all-reduce), adds the
+shared experts' partial, and TP's output hook sums over the row: every expert's whole output once.
+
 **Parameters** after sharding: every sharded parameter is a DTensor on the group's 1-D mesh (dim
 name ``"tp"`` or ``"ep"``), ``Shard(0)`` for column-wise weights, vocab rows and EP experts,
 ``Shard(1)`` for row-wise weights, ``Shard(1)``/``Shard(2)`` for expert TP's hidden dims; every other
@@ -47,8 +55,10 @@ local shards and row-parallel partials are summed in rank order
 trainer's of the same TP degree bit for bit (docs/numerics.md says which layout pairs agree); under
 EP it is bitwise equal to one process in the tested cases. ``pack_weights`` is silently
 off, as under FSDP (:func:`lockstep.generate.packed.packable` refuses DTensor parameters). Refused
-layouts: tp and ep together, linear-attention (hybrid) models, DeepSeek-V3.2's indexer and V4's
-compressed attention under TP (errors name the field).
+layouts: linear-attention (hybrid) models, DeepSeek-V3.2's indexer and V4's
+compressed attention under TP (errors name the field). Under tp x ep the greedy tokens are one
+process's (fp32; qwen3_moe in the suite, DeepSeek-V3 with shared experts and GPT-OSS with expert biases by hand),
+log-probabilities within rounding (expert TP splits each expert's sum; not bitwise to one process).
 """
 
 from __future__ import annotations
@@ -144,16 +154,17 @@ def check_generation_layout(model: nn.Module, tp: int, ep: int, world: int,
 
 
 def shard_for_generation(model: nn.Module, *, tp: int = 1, ep: int = 1, group: dist.ProcessGroup | None = None,
-                         field: str = "generator_parallel") -> nn.Module:
+                         field: str = "generator_parallel", grid: DeviceMesh | None = None) -> nn.Module:
     """Shard ``model`` in place over ``group`` (default: the world) for :class:`GroupEngine`; returns
-    it. Every rank must hold the same full weights; see the module docstring for the layouts."""
+    it. Every rank must hold the same full weights; see the module docstring for the layouts. ``grid``
+    (tp and ep > 1, a group smaller than the job): the group's :func:`generation_grid`."""
     group = group if group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     if group_of(model) is not None:
         raise RuntimeError("shard_for_generation: the model is already sharded for generation")
     check_generation_layout(model, tp, ep, world, field)
     if tp > 1 and ep > 1:
-        mesh = _grid_mesh(group, ep, tp, _device_type(model))
+        mesh = _grid_of(group, ep, tp, _device_type(model), grid, field)
         tp_mesh, ep_mesh = mesh["tp"], mesh["ep"]
     else:
         mesh = tp_mesh = ep_mesh = DeviceMesh.from_group(group, _device_type(model),
@@ -172,29 +183,25 @@ def shard_for_generation(model: nn.Module, *, tp: int = 1, ep: int = 1, group: d
     return model
 
 
-#: this process's ep / tp subgroups of generation groups, by their global ranks (made once each)
-_SUBGROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+def generation_grid(ranks: list[int], ep: int, tp: int, device_type: str = "cpu") -> DeviceMesh:
+    """The ``("ep", "tp")`` mesh of a tp x ep generation group over global ``ranks``: ``ep`` rows of
+    ``tp`` consecutive ranks (tp neighbours, as the trainer's mesh puts tp innermost). Collective over
+    the whole job: every process calls it, in the same order (torch names its row and column groups by
+    a counter every process must keep in step); the ranks outside get a mesh they are not in."""
+    return DeviceMesh(device_type, torch.tensor(list(ranks)).view(ep, tp), mesh_dim_names=("ep", "tp"))
 
 
-def _subgroup(ranks: list[int]) -> dist.ProcessGroup:
-    """A process group of ``ranks`` made by its members alone (the rest of the job, e.g. the trainer
-    ranks of an RL run, takes no part; its name is a hash of the ranks, so no group counter drifts
-    apart between the processes that made it and those that did not); one per rank set."""
-    key = tuple(ranks)
-    if key not in _SUBGROUPS:
-        _SUBGROUPS[key] = dist.new_group(list(key), use_local_synchronization=True)
-    return _SUBGROUPS[key]
-
-
-def _grid_mesh(group: dist.ProcessGroup, ep: int, tp: int, device_type: str) -> DeviceMesh:
-    """The ``("ep", "tp")`` mesh of a generation group: ``ep`` rows of ``tp`` consecutive group ranks
-    (tp neighbours, as the trainer's mesh puts tp innermost). Each rank makes its row and its column."""
+def _grid_of(group: dist.ProcessGroup, ep: int, tp: int, device_type: str, grid: DeviceMesh | None,
+             field: str) -> DeviceMesh:
     ranks = dist.get_process_group_ranks(group)
-    grid = torch.tensor(ranks).view(ep, tp)
-    row, col = divmod(ranks.index(dist.get_rank()), tp)
-    tp_group = _subgroup(grid[row].tolist())  # every rank: its row, then its column (the same order on all)
-    ep_group = _subgroup(grid[:, col].tolist())
-    return DeviceMesh.from_group([ep_group, tp_group], device_type, mesh=grid, mesh_dim_names=("ep", "tp"))
+    if grid is None:
+        if len(ranks) != dist.get_world_size():
+            raise ValueError(f"shard_for_generation: a tp x ep group inside a larger job needs its grid made by every "
+                             f"process of the job (grid=generation_grid({ranks}, ...))")
+        return generation_grid(ranks, ep, tp, device_type)
+    if grid.mesh.flatten().tolist() != ranks or tuple(grid.mesh.shape) != (ep, tp):
+        raise ConfigError(f"{field}: the grid {grid} is not the group's ranks {ranks} as {ep} x {tp}")
+    return grid
 
 
 class _ExpertShare(GroupedExperts):

@@ -66,7 +66,8 @@ def run_generator(config: RLConfig, policy: Policy, layout: RLLayout) -> None:
         from lockstep.generate.parallel import shard_for_generation
 
         par = config.workers.generator_parallel
-        shard_for_generation(policy.model, tp=par.tp, ep=par.ep, group=group, field="workers.generator_parallel")
+        shard_for_generation(policy.model, tp=par.tp, ep=par.ep, group=group, field="workers.generator_parallel",
+                             grid=layout.engine_grids.get(layout.generator_index))
     plan_tp_split(config, policy.model).apply(policy.model, "generator")  # the trainer's TP degree's sums
     plan = None
     if config.workers.resolved_weight_sync(layout.trainer_world) == "reshard":

@@ -16,7 +16,7 @@ creates every group, in the same order, as ``new_group`` requires):
 - ``sync_groups`` (``"reshard"``): one per generator, the trainer ranks + that generator's ranks
   (point-to-point slices, :mod:`lockstep.rl.reshard`);
 - ``engine_groups`` (G > 1): one per generator, its ranks (the engine's collectives, the head's
-  commands to the others);
+  commands to the others); with tp and ep both > 1 also its ``("ep", "tp")`` grid (``engine_grids``);
 - ``rollout_group``: trainer rank 0 + the generators' heads (rollouts, point to point).
 
 Trainer rank 0 and the heads also share a heartbeat channel (``liveness``,
@@ -29,6 +29,7 @@ import dataclasses
 
 import torch.distributed as dist
 
+from lockstep.parallel.launch import resolve_device
 from lockstep.parallel.runtime import ParallelRuntime
 from lockstep.rl.config import RLConfig
 
@@ -50,6 +51,8 @@ class RLLayout:
     sync_groups: dict[int, object] = dataclasses.field(default_factory=dict)
     #: generator index -> the group of its own ranks (group size > 1)
     engine_groups: dict[int, object] = dataclasses.field(default_factory=dict)
+    #: generator index -> its ("ep", "tp") DeviceMesh (tp and ep both > 1; lockstep.generate.parallel)
+    engine_grids: dict[int, object] = dataclasses.field(default_factory=dict)
     rollout_group: object | None = None
     #: trainer rank 0 and generators: the heartbeat channel (a TrainerLiveness / GeneratorLiveness)
     liveness: object | None = None
@@ -111,6 +114,13 @@ def create_layout(config: RLConfig, rank: int, world_size: int) -> RLLayout:
                               for g in range(n)}
     if layout.group_size > 1:
         layout.engine_groups = {g: dist.new_group(ranks=layout.generator_ranks(g), backend="gloo") for g in range(n)}
+        par = config.workers.generator_parallel
+        if par.tp > 1 and par.ep > 1:  # its row / column groups: made by every process too
+            from lockstep.generate.parallel import generation_grid
+
+            device = resolve_device(config.training.device).type
+            layout.engine_grids = {g: generation_grid(layout.generator_ranks(g), par.ep, par.tp, device)
+                                   for g in range(n)}
     layout.rollout_group = dist.new_group(ranks=head, backend="gloo")
     if rank in head and world_size > t:
         from lockstep.rl.liveness import connect_liveness
