@@ -21,8 +21,9 @@
  * row maximum subtracted (AVX-512: a polynomial exp within 2 ulp of expf). out = sum_s p_s v_s
  * accumulated in position order, over sum_s p_s (portable: p_s divided first); bf16 outputs rounded
  * to nearest even. Close to SDPA over the gathered context, not its bits, and no caller asks for
- * bits (the batch-invariant backend never takes this kernel). D must be a multiple of 16 (the caller
- * checks). Tasks run on torch's OpenMP threads.
+ * bits (the batch-invariant backend never takes this kernel). The pools' strides change where rows
+ * are read, not this order: every layout of the same values gives the same bits. D must be a multiple
+ * of 16 (the caller checks). Tasks run on torch's OpenMP threads.
  */
 #include <math.h>
 #include <stdint.h>
