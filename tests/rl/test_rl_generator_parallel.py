@@ -24,16 +24,22 @@ def test_world_size_counts_each_generator_group(tmp_path):
     assert config.workers.resolved_weight_sync(config.trainer_world_size) == "reshard"
     one = debug_config(tmp_path)
     assert one.world_size == 2 and one.workers.resolved_weight_sync(1) == "gather"  # the one-process path as before
+    # tp and ep together, on both sides: a generator group of ep rows of tp ranks; an HSDP + EP trainer
+    both = debug_config(tmp_path, "--workers.generator-parallel.tp", "2", "--workers.generator-parallel.ep", "2",
+                        "--parallel.tp", "2", "--parallel.ep", "2", "--parallel.dp-shard", "2")
+    assert both.trainer_world_size == 4 and both.world_size == 4 + 4
+    hsdp = debug_config(tmp_path, "--parallel.dp-replicate", "2", "--parallel.dp-shard", "2", "--parallel.ep", "2")
+    assert hsdp.trainer_world_size == 4 and hsdp.trainer_dp == 4
 
 
 @pytest.mark.parametrize("flags, message", [
     (["--workers.generator-parallel.tp", "0"], "workers.generator_parallel.tp: must be an integer >= 1"),
-    (["--workers.generator-parallel.tp", "2", "--workers.generator-parallel.ep", "2"],
-     "workers.generator_parallel: tp=2 and ep=2 together"),
     (["--workers.generator-parallel.tp", "2", "--workers.generators", "0"], "workers.generator_parallel: a generator "
                                                                             "group of 2 processes needs generator"),
     (["--workers.generator-parallel.tp", "2", "--workers.weight-sync", "gather"], "workers.weight_sync: 'gather'"),
     (["--workers.weight-sync", "bcast"], "workers.weight_sync: must be one of"),
+    # experts FSDP-sharded on their expert dim (ep < dp_shard): a shard of a shard, which the sync does not read
+    (["--parallel.dp-shard", "4", "--parallel.ep", "2"], "parallel.ep: .*ep < dp_shard.*got ep=2, dp_shard=4"),
     (["--parallel.dp-shard", "2", "--liveness.on-generator-loss", "continue"], "liveness.on_generator_loss: "
                                                                                "'continue' drops"),
 ])
@@ -168,3 +174,28 @@ def test_rl_tp2_trainer_tp2_generator_batch_invariant_logprobs_equal(tmp_path):
     assert 0 < records[0]["generator/weight_sync_bytes"] < records[0]["generator/weight_sync_group_bytes"] == full
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["workers"]["generator_parallel"]["tp"] == 2 and manifest["workers"]["generator_ranks"] == [2]
+
+
+@pytest.mark.slow
+def test_rl_tp2_x_ep2_trainer_with_ep2_generator_cli(tmp_path):
+    """``lockstep rl --recipe rl-debug-moe --parallel.tp 2 --parallel.ep 2``: trainer ranks 0-3 (two ep ranks of
+    four experts each, every expert's hidden dim split over two tp ranks; attention TP, FSDP over the two data
+    ranks) + an expert-parallel generator group (ranks 4-5), two steps: the loop runs end to end and every
+    version reaches both generator ranks by the resharding sync (each trainer rank sending only what it
+    holds). Log-probabilities agree to fp32 rounding only: expert TP sums each expert's output over two hidden
+    halves, the generator computes it whole (docs/numerics.md); 1e-4 says the synced weights are the trainer's
+    (one wrong expert or head moves them by O(1))."""
+    _cli(tmp_path, "--recipe", "rl-debug-moe", "--steps", "2", "--parallel.tp", "2", "--parallel.ep", "2",
+         "--parallel.dp-shard", "2", "--workers.generator-parallel.ep", "2", "--output.no-save-weights", timeout=500)
+    run_dir = tmp_path / "run"
+    records = step_records(run_dir)
+    assert [r["step"] for r in records] == [1, 2] and [r["rollout_version"] for r in records] == [0, 1]
+    assert all(r["generator/rank"] == 4 for r in records)
+    assert all(r["logprob_diff/max"] < 1e-4 for r in records), [r["logprob_diff/max"] for r in records]
+    assert records[1]["grad_norm"] > 0
+    full = records[0]["weight_sync/bytes_all_ranks"]
+    assert 0 < records[0]["weight_sync/bytes"] < full / 2  # trainer rank 0 holds about a quarter of the model
+    assert 0 < records[0]["generator/weight_sync_bytes"] < records[0]["generator/weight_sync_group_bytes"]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["workers"]["trainer_layout"] == {**manifest["workers"]["trainer_layout"], "tp": 2, "ep": 2}
+    assert manifest["workers"]["generator_parallel"]["ep"] == 2 and manifest["workers"]["generator_ranks"] == [4]
