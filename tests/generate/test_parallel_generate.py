@@ -228,7 +228,7 @@ def _meta(family: str, **changes):
     ("llama3", {"n_kv_heads": 1}, 2, 1, ["generator_parallel.tp", "n_kv_heads=1"]),
     ("llama3", {"n_heads": 3, "n_kv_heads": 1, "head_dim": 16}, 2, 1, ["generator_parallel.tp", "n_heads=3"]),
     ("llama3", {}, 1, 2, ["generator_parallel.ep", "needs MoE layers"]),
-    ("qwen3_moe", {}, 2, 2, ["generator_parallel", "together"]),
+    ("qwen3_moe", {}, 2, 2, ["generator_parallel", "tp x ep = 4 must equal the group's size 2"]),  # both: accepted
     ("qwen3_moe", {}, 3, 1, ["generator_parallel", "group's size 2"]),
     ("qwen3_next", {}, 2, 1, ["generator_parallel.tp", "linear-attention"]),
 ])
