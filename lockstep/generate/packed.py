@@ -119,6 +119,8 @@ class PackedLinear(numerics.SwitchableLinear):
     Only the class changes (as with ``SwitchableLinear``): same parameters, names and state dict."""
 
     _pack_handle: int
+    #: id() of the layer the handle was given to (a deep copy carries the number, not the identity)
+    _pack_owner: int
     _pack_key: tuple
     _pack_hint: int
     #: "bf16", "onednn" or "f32"; None: this layer runs unpacked (an fp32 shape the kernel does not take)
@@ -144,8 +146,10 @@ class PackedLinear(numerics.SwitchableLinear):
             return torch.ops.lockstep.packed_linear(x, self._pack_handle)
         if self._pack_kernel in _C_KERNELS and x.numel() > PLAIN_ROWS * x.shape[-1]:
             return super().forward(x)  # a long prefill: the library GEMM is as fast or faster there
-        if _CPP_KERNELS and self._pack_kernel in _C_KERNELS:
-            return torch.ops.lockstep.packed_linear(x, self._pack_handle)  # the C++ kernel: ~2 us besides the product
+        if _CPP_KERNELS and self._pack_kernel in _C_KERNELS and self._pack_owner == id(self):
+            # the C++ kernel: ~2 us besides the product (not for a deep copy, which carries this
+            # layer's handle until pack_linears gives it its own: its weights are not the handle's)
+            return torch.ops.lockstep.packed_linear(x, self._pack_handle)
         return _single_product(self, x)  # the Python kernel without the dispatcher's round trip into it
 
     @property
@@ -342,7 +346,7 @@ def pack_linears(model: nn.Module, batch_hint: int, kernel: str = "onednn") -> l
         if type(module) in (nn.Linear, numerics.SwitchableLinear) or copied:
             module.__class__ = PackedLinear
             module._pack_handle, module._pack_hint = next(_HANDLES), batch_hint
-            module._pack_key = (module._pack_handle,)
+            module._pack_key, module._pack_owner = (module._pack_handle,), id(module)
             fits = decode_linear.supports(module.out_features, module.in_features, _KERNEL_DTYPE[kernel])
             module._pack_kernel = kernel if fits or kernel == "onednn" else (None if kernel == "f32" else "onednn")
             module._packs = {}

@@ -419,3 +419,17 @@ print("ok")
     env = {**os.environ, "LOCKSTEP_NO_CPP_OPS": "1"}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stdout + result.stderr[-3000:]
+
+
+def test_a_deep_copy_runs_its_own_weights_before_it_is_packed():
+    """A deep copy carries the original's handle: until pack_linears gives it its own, its eager
+    forward must run its own (copied, then changed) weights, not the handle's."""
+    import copy
+
+    layer = _layer(64, 32, bias=True, kernel="bf16")
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        layer(x)  # the original packed (and, with the C++ kernels, in their table)
+        twin = copy.deepcopy(layer)
+        twin.weight.mul_(-1)
+        assert torch.equal(twin(x), _expected(twin, x, "bf16")) and torch.equal(layer(x), _expected(layer, x, "bf16"))
