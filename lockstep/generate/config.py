@@ -48,6 +48,11 @@ class EngineConfig(Config):
     #: but the engine changes what the step reads; call ``engine.sync_weights()`` after replacing
     #: parameters, or set False
     skip_guard_checks: bool = True
+    #: with compile_decode: compile the prefill too (one-shot prefills of text-only batches on models
+    #: without recurrent state, sliding windows or MTP drafts, padded to power-of-two rows and columns
+    #: so that each bucket compiles once: lockstep.generate.prefill). None: on with the Inductor modes,
+    #: off with "aot_eager" (which stays bitwise eager); True / False: on / off with any mode
+    compile_prefill: bool | None = None
     #: batch-invariant kernels for this engine's steps (bitwise-equal to the trainer's
     #: ``score_logprobs``, docs/numerics.md): True / False, or None to follow the process-wide
     #: ``lockstep.numerics`` switch. CPU-only: on another device either is a ConfigError
@@ -90,6 +95,8 @@ class EngineConfig(Config):
         require_positive(self.max_batch_size, f"{path}.max_batch_size")
         require_positive(self.max_prefill_tokens, f"{path}.max_prefill_tokens")
         require_choice(self.compile_decode, COMPILE_MODES, f"{path}.compile_decode")
+        require(self.compile_prefill in (None, True, False), f"{path}.compile_prefill",
+                f"must be true, false or null, got {self.compile_prefill!r}")
         require_choice(self.weights_dtype, WEIGHTS_DTYPES, f"{path}.weights_dtype")
         require_choice(self.linear_kernel, LINEAR_KERNELS, f"{path}.linear_kernel")
         require(isinstance(self.prefill_chunk, int) and self.prefill_chunk >= 0, f"{path}.prefill_chunk",

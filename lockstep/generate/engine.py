@@ -15,7 +15,9 @@ there is no second model class. Each :meth:`Engine.step`:
 Only the last position of each sequence goes through the output head. ``compile_decode`` wraps the
 decode forward in ``torch.compile`` as one graph, the cache's writes and attention included; the
 batch is then padded to a power of two (at most ``max_batch_size``) and each context to a power of
-two blocks (null-block padding, masked), so each (batch, context) bucket compiles once.
+two blocks (null-block padding, masked), so each (batch, context) bucket compiles once. With the
+Inductor modes the one-shot prefill is compiled too, per (rows, columns) bucket
+(``EngineConfig.compile_prefill``, :mod:`lockstep.generate.prefill`).
 ``EngineConfig.weights_dtype`` runs a cast copy of the weights (:mod:`lockstep.generate.weights`);
 ``EngineConfig.pack_weights`` runs linears on prepacked weights (:mod:`lockstep.generate.packed`).
 
@@ -150,6 +152,8 @@ class Engine:
         self._decode_forward = self._forward_last
         self._tables_key, self._tables = None, None  # the last block table built (_block_tables)
         self._compiled = config.compile_decode != "none"
+        #: the compiled prefill forward (EngineConfig.compile_prefill; lockstep.generate.prefill), or None
+        self._prefill_forward: Callable[..., torch.Tensor] | None = None
         #: (rows, context blocks) buckets whose compiled step ran with every guard checked
         self._guarded: set[tuple] = set()
         #: buckets where dynamo still asked to recompile with guards skipped: always checked in full
@@ -162,6 +166,10 @@ class Engine:
                 options["post_grad_custom_post_pass"] = sibling_grouping_pass()
             self._decode_forward = torch.compile(self._forward_last, backend=backend, dynamic=False,
                                                  options=options)
+            prefill_on = config.compile_prefill
+            if backend == "inductor" if prefill_on is None else prefill_on:  # None: Inductor modes only
+                self._prefill_forward = torch.compile(self._forward_at, backend=backend, dynamic=False,
+                                                      options=options)
 
     # ----------------------------------------------------------------- requests
 
@@ -302,6 +310,11 @@ class Engine:
         h = self.runner.trunk(tokens, positions, cache=self._model_cache)[2]
         return self.runner.output(h[:, -1]).float()
 
+    def _forward_at(self, tokens: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, V] of column ``columns[b]`` of each row (a padded prefill: each prompt's last)."""
+        h = self.runner.trunk(tokens, positions, cache=self._model_cache)[2]
+        return self.runner.output(h[torch.arange(h.shape[0], device=h.device), columns]).float()
+
     def _free_recurrent(self) -> None:
         """Return the recurrent-state slots (hybrid models) and drafts of sequences no longer running."""
         if self.recurrent is not None:
@@ -331,13 +344,14 @@ class Engine:
             self.recurrent.set_step([s.seq_id for s in seqs], rows=rows)
         tokens = tokens.to(self.device)
         if compiled:
-            logits = self._compiled_decode(tokens, positions, (rows, n_blocks))
+            logits = self._compiled_call(self._decode_forward, (rows, n_blocks), tokens, positions)
         else:
             logits = self._forward_last(tokens, positions)
         return self._sample(seqs, logits[:b])
 
-    def _compiled_decode(self, tokens: torch.Tensor, positions: torch.Tensor, bucket: tuple) -> torch.Tensor:
-        """The compiled decode forward. A bucket (rows, context blocks) that already
+    def _compiled_call(self, forward: Callable[..., torch.Tensor], bucket: tuple, *args: torch.Tensor) -> torch.Tensor:
+        """A compiled forward: the decode step's (``bucket`` = (rows, context blocks)) or the prefill's
+        (``("prefill", rows, columns)``, :mod:`lockstep.generate.prefill`). A bucket that already
         ran with every guard checked runs with only the guards that tell cached graphs apart
         (``EngineConfig.skip_guard_checks``); should dynamo still want to recompile, the step reruns
         with full guards (it only rewrites the same cache slots with the same values) and the bucket
@@ -350,13 +364,13 @@ class Engine:
         if self.config.skip_guard_checks and bucket in self._guarded and bucket not in self._unskippable:
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                    return self._decode_forward(tokens, positions)
+                    return forward(*args)
             except RuntimeError as err:
                 if "skip_guard_eval_unsafe" not in str(err):
                     raise
                 self._unskippable.add(bucket)
         with torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, 64)):
-            logits = self._decode_forward(tokens, positions)
+            logits = forward(*args)
         self._guarded.add(bucket)  # ran with every guard checked: this bucket's graph is known
         return logits
 

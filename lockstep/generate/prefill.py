@@ -18,14 +18,25 @@ run through MTP depth 1 under the same cache metadata, and the rows whose prompt
 
 Requests with images (:mod:`lockstep.generate.vision`): the vision tower runs once per request before
 the first chunk; each chunk takes its columns' mRoPE positions and image embeddings.
+
+With ``EngineConfig.compile_prefill`` (on by default with ``compile_decode="inductor"``) a one-shot
+prefill runs compiled (:meth:`Engine._compiled_call`, the decode step's guard handling): the batch is
+padded to the decode step's power-of-two row bucket and the columns to a power of two, so at most
+log2(max batch) x log2(max context) graphs compile, each once. Eager SwiGLU/RMSNorm/rope pieces then
+fuse (SmolLM2 bf16 16x32 tokens: docs/benchmarks.md, issue #22). Padding changes the GEMM and
+attention shapes, so the logits match the eager prefill within float rounding, not bitwise. Left
+eager: batch-invariant mode, chunked prefills of more than one chunk (their context grows chunk by
+chunk), images, recurrent state, sliding windows and MTP drafts (they read more than the logits).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
 
+from lockstep import numerics
 from lockstep.config.base import ConfigError
 from lockstep.generate.output import StreamEvent
 from lockstep.generate.scheduler import Sequence
@@ -41,10 +52,43 @@ def check_prefill_chunk(chunk: int, window: int, field: str = "engine.prefill_ch
                           f"{window}); set prefill_chunk=0 for this model")
 
 
+def _compiles(engine: "Engine", seqs: list[Sequence], t: int) -> bool:
+    """Whether this prefill runs the compiled forward (module docstring: the cases it leaves eager)."""
+    chunk = engine.config.prefill_chunk
+    return (engine._prefill_forward is not None and not numerics.is_batch_invariant()
+            and (not chunk or t <= chunk) and engine.vision is None and engine.recurrent is None
+            and engine.speculator is None and not engine.cache.window)
+
+
+def _compiled_prefill(engine: "Engine", seqs: list[Sequence], lengths: torch.Tensor) -> list[StreamEvent]:
+    """The one-shot prefill as one compiled graph per (rows, columns) bucket: rows padded as a
+    compiled decode step pads them, columns to a power of two (at most the model's context, at least
+    the longest prompt). Padding tokens go to the null block at position 0; a row's logits are those
+    of its last prompt column."""
+    b, t = len(seqs), int(lengths.max())
+    rows = engine._bucket(b)
+    cols = max(t, min(1 << max(0, math.ceil(math.log2(t))), engine.max_seq_len))
+    tokens = torch.zeros(rows, cols, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        tokens[i, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
+    columns = torch.arange(cols)
+    valid = torch.zeros(rows, cols, dtype=torch.bool)
+    valid[:b] = columns[None] < lengths[:, None]
+    tables = engine._block_tables(seqs, -(-cols // engine.config.block_size), rows)
+    positions = engine._set_step(tables, columns.expand(rows, -1) * valid, valid, seqs, fresh=True)
+    last = torch.zeros(rows, dtype=torch.long)
+    last[:b] = lengths - 1
+    logits = engine._compiled_call(engine._prefill_forward, ("prefill", rows, cols), tokens.to(engine.device),
+                                   positions, last.to(engine.device))
+    return engine._sample(seqs, logits[:b])
+
+
 def prefill(engine: "Engine", seqs: list[Sequence]) -> list[StreamEvent]:
     """Prefill ``seqs`` (just admitted) and sample each one's first token; their events."""
     lengths = torch.tensor([len(s.prompt_ids) for s in seqs])
     b, t = len(seqs), int(lengths.max())
+    if _compiles(engine, seqs, t):
+        return _compiled_prefill(engine, seqs, lengths)
     tokens = torch.zeros(b, t + 1, dtype=torch.long)  # one spare column: the MTP depth's next tokens
     for i, seq in enumerate(seqs):
         tokens[i, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)

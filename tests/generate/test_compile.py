@@ -78,3 +78,40 @@ def test_engine_raises_the_recompile_limit_for_its_own_calls_only():
                          for p, n in zip(prompts([5, 7]), (2, 5))])
         assert torch._dynamo.config.recompile_limit == 1
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_compiled_prefill_pads_to_buckets_and_matches_eager():
+    """``compile_prefill`` (aot_eager here; on by default only with Inductor): one-shot prefills run
+    as one graph per (rows, columns) bucket; rows and columns are padded (3 prompts -> 4 rows, 9
+    columns -> 16), so float rounding moves (GEMM/attention shapes): logprobs within 1e-5, same
+    tokens. Chunked prefills longer than a chunk stay eager; a bad flag names its field."""
+    import pytest
+
+    from torch._dynamo.utils import counters
+
+    from lockstep.config.base import ConfigError
+    from lockstep.generate import EngineConfig
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("llama3", n_layers=1)
+    greedy = SamplingParams(max_new_tokens=3, temperature=0)
+    eager = engine_for(model, max_batch_size=4)
+    compiled = engine_for(model, max_batch_size=4, compile_decode="aot_eager", compile_prefill=True)
+    assert engine_for(model, compile_decode="aot_eager")._prefill_forward is None  # default: Inductor only
+    for lengths in ([2, 5, 9], [11, 3, 14]):  # the second batch: same (4, 16) bucket, no new graph
+        reqs = [Request(prompt_ids=p, sampling=greedy) for p in prompts(lengths)]
+        for a, b in zip(eager.generate(reqs), compiled.generate(reqs)):
+            assert a.token_ids == b.token_ids
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-5)
+    assert ("prefill", 4, 16) in compiled._guarded
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs == 2, graphs  # prefill (4 rows, 16 columns), decode (4 rows, 4 blocks: contexts <= 16)
+    chunked = engine_for(model, max_batch_size=4, compile_decode="aot_eager", compile_prefill=True, prefill_chunk=4)
+    reqs = [Request(prompt_ids=p, sampling=greedy) for p in prompts([2, 9])]
+    for a, b in zip(eager.generate(reqs), chunked.generate(reqs)):
+        assert a.token_ids == b.token_ids
+    assert not any(k[0] == "prefill" for k in chunked._guarded)  # 9 tokens in chunks of 4: eager
+    with pytest.raises(ConfigError, match="compile_prefill"):
+        EngineConfig(compile_prefill="yes").validate()
